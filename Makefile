@@ -1,0 +1,53 @@
+# voxdiff: `make demo` runs the whole pipeline on the built-in data; `make test` runs the tests.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# pip on some machines prints one warning per unreachable local index: keep the output readable.
+QUIET_PIP := grep -v -e 'is ignored: it is neither a file nor a directory' || true
+export PATH := $(BIN):$(PATH)
+
+.PHONY: demo test bench sweep study lock clean-outputs help
+
+help:
+	@echo "make demo   - set up .venv, run the pipeline (dvc repro) on the built-in data, show metrics"
+	@echo "make test   - set up .venv if needed and run the test suite"
+	@echo "make bench  - side-by-side benchmarks -> benchmarks/results.json, RESULTS.md"
+	@echo "make sweep  - queue accumulate_every x seed experiments, run them, compare"
+	@echo "make study  - the committed CPU study (docs/study/)"
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements.lock torch==2.13.0 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[test]' 2>&1 | $(QUIET_PIP)
+	$(BIN)/python -c "import torch, monai, mlflow, dvc, nibabel, nilearn, voxdiff"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	@test -d .git || (git init -q && git add -A && git commit -qm "voxdiff: initial" )
+	@start=$$(date +%s); $(BIN)/dvc repro; echo "pipeline: $$(( $$(date +%s) - start )) s"
+	@echo; echo "== metrics (dvc metrics show) =="; $(BIN)/dvc metrics show
+	@echo; echo "Open MLflow:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db   (then http://127.0.0.1:5000)"
+	@echo "Try:         $(BIN)/dvc exp run -S train.accumulate_every=4   and   $(BIN)/voxdiff compare --out reports/compare.md"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run.py
+
+sweep: $(STAMP)
+	$(BIN)/dvc exp run --queue -S 'train.accumulate_every=1,2,4,8' -S 'seed=0,1,2'
+	$(BIN)/dvc queue start -j 1
+	$(BIN)/python -c "import time, subprocess, sys; sys.exit(0)"
+	$(BIN)/dvc queue status
+	$(BIN)/voxdiff compare --out reports/sweep.md
+
+study: $(STAMP)
+	bash docs/study/run.sh
+
+lock:
+	$(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu/torch==\1/' > requirements.lock.new
+	mv requirements.lock.new requirements.lock

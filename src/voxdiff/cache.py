@@ -1,0 +1,67 @@
+"""The preprocessed cache that training reads: memory-mapped arrays, no NIfTI decoding per step.
+
+Layout of data/processed/:
+  images.npy     float32 [N, D, H, W], intensities scaled to [-1, 1] (background -1)
+  labels.npy     uint8   [N, D, H, W], class indices 0..C-1 (position in data.label_values)
+  manifest.json  grid (shape, spacing, affine per subject), label_values, split and provenance per subject
+  preview.png    mid-slices of a few subjects with the label overlay
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class ProcessedCache:
+    root: Path
+    images: np.ndarray  # memmap [N, D, H, W] float32
+    labels: np.ndarray  # memmap [N, D, H, W] uint8
+    manifest: dict
+
+    @property
+    def subjects(self) -> list[dict]:
+        return self.manifest["subjects"]
+
+    @property
+    def label_values(self) -> list[int]:
+        return self.manifest["label_values"]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.label_values)
+
+    def split_indices(self, split: str) -> np.ndarray:
+        """Row indices of the cache in the given split ("train" or "val"), in manifest order."""
+        return np.array([s["index"] for s in self.subjects if s["split"] == split], dtype=np.int64)
+
+    def affine(self, index: int) -> np.ndarray:
+        return np.asarray(self.subjects[index]["affine"], dtype=np.float64)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+
+def open_cache(root: str | Path) -> ProcessedCache:
+    root = Path(root)
+    manifest_path = root / "manifest.json"
+    if not manifest_path.is_file():
+        raise DataError(f"{manifest_path}: preprocessed cache not found (run `dvc repro preprocess`)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("version") != FORMAT_VERSION:
+        raise DataError(f"{manifest_path}: cache format {manifest.get('version')} is not {FORMAT_VERSION}; "
+                        "rerun preprocess")
+    images = np.load(root / "images.npy", mmap_mode="r")
+    labels = np.load(root / "labels.npy", mmap_mode="r")
+    if images.shape != labels.shape or images.shape[0] != len(manifest["subjects"]):
+        raise DataError(f"{root}: images {images.shape} and labels {labels.shape} disagree with the manifest")
+    return ProcessedCache(root, images, labels, manifest)

@@ -1,0 +1,166 @@
+"""The `voxdiff` command line. Each pipeline stage is a subcommand; stages/*.py call the same code.
+
+User errors print one line (`error: ...`) and exit 2; `--debug` shows the traceback instead.
+Heavy imports (torch, MONAI, MLflow) happen inside the commands so that `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import click
+
+from . import __version__
+
+
+def _root_option(f):
+    return click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=None,
+                        help="Project root holding params.yaml and data/ (default: the current directory's project).")(f)
+
+
+def _params_option(f):
+    return click.option("--params", "params_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                        help="Params file (default: <root>/params.yaml).")(f)
+
+
+def _resolve(root: Path | None, params_path: Path | None):
+    from .fsutil import repo_root
+    from .params import load
+
+    root = (root or repo_root()).resolve()
+    return root, load(params_path or root / "params.yaml")
+
+
+def user_errors(fn):
+    """Turn VoxdiffError into one line on stderr and exit code 2 (traceback only with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from .errors import VoxdiffError
+
+        debug = click.get_current_context().find_root().params.get("debug", False)
+        try:
+            return fn(*args, **kwargs)
+        except VoxdiffError as e:
+            if debug:
+                raise
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="voxdiff")
+@click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
+def main(debug: bool) -> None:
+    """voxdiff: measure how gradient accumulation (train.accumulate_every) changes the convergence
+    of a 3D label-map-to-MRI diffusion model, reproducibly, with DVC and MLflow.
+
+    \b
+    Pipeline (what `dvc repro` runs, one stage per command):
+      voxdiff prepare     built-in MNI152 pseudo-subjects, or index and check your NIfTI data
+      voxdiff preprocess  reorient, resample, crop, normalise, split -> data/processed cache
+      voxdiff train       3D conditional DDPM with exact gradient accumulation -> models/
+      voxdiff evaluate    sample with the EMA model, fidelity/diversity/tissue metrics
+    Then: voxdiff compare (report across runs), voxdiff sample (your own label map).
+    All settings live in params.yaml.
+    """
+    if not debug:
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="monai")
+        os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+
+@main.command()
+@_root_option
+@_params_option
+@user_errors
+def prepare(root, params_path):
+    """Create data/raw: synthesise the built-in pseudo-subjects (data.source: mni152) from the MNI152
+    template shipped in nilearn, or index and check your own NIfTI pairs (data.source: a directory)."""
+    from .prepare import run_prepare
+
+    root, params = _resolve(root, params_path)
+    run_prepare(params, root)
+
+
+@main.command()
+@_root_option
+@_params_option
+@user_errors
+def preprocess(root, params_path):
+    """Create data/processed: canonical RAS orientation, preprocess.spacing (labels nearest-neighbour),
+    crop/pad to preprocess.shape, per-volume intensity scaling to [-1, 1], train/val split, preview PNG."""
+    from .preprocess import run_preprocess
+
+    root, params = _resolve(root, params_path)
+    run_preprocess(params, root)
+
+
+@main.command()
+@_root_option
+@_params_option
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
+@user_errors
+def train(root, params_path, progress):
+    """Train the diffusion model on data/processed. Resumes an interrupted run of the same configuration
+    from models/checkpoint.pt. Multi-GPU/CPU: `torchrun --nproc_per_node N stages/train.py`."""
+    from .train import run_training
+
+    root, params = _resolve(root, params_path)
+    run_training(params, root, progress=progress)
+
+
+@main.command()
+@_root_option
+@_params_option
+@user_errors
+def evaluate(root, params_path):
+    """Sample volumes for the validation label maps with the EMA weights (DDIM) and write
+    metrics/eval.json and montages; logs into the training's MLflow run."""
+    from .evaluate import run_evaluate
+
+    root, params = _resolve(root, params_path)
+    run_evaluate(params, root)
+
+
+def _register_optional() -> None:
+    """Commands that live in their own modules."""
+    try:
+        from .compare import compare_command
+    except ImportError:  # pragma: no cover - only while the module is being written
+        compare_command = None
+    if compare_command is not None:
+        main.add_command(compare_command, "compare")
+    try:
+        from .sample import sample_command
+    except ImportError:  # pragma: no cover
+        sample_command = None
+    if sample_command is not None:
+        main.add_command(sample_command, "sample")
+
+
+_register_optional()
+
+
+def stage_main(command: str) -> None:
+    """Entry point of stages/<command>.py: run `voxdiff <command>` at the project root."""
+    root = Path(__file__).resolve().parents[2]
+    argv = [command, "--root", str(root), *sys.argv[1:]]
+    if os.environ.get("VOXDIFF_DEBUG"):
+        argv = ["--debug", *argv]
+    main.main(args=argv, prog_name=f"stages/{command}.py")
+
+
+if __name__ == "__main__":
+    main()

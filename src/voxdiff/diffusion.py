@@ -1,0 +1,74 @@
+"""The training objective and its random draws.
+
+Every per-sample random choice (which subject, timestep, noise) is a pure function of
+(seed, global sample index). That is what makes batch 4 x accumulate 1 and batch 1 x accumulate 4
+follow the same trajectory, makes a resumed run continue bit for bit, and lets DDP shard samples by
+index without changing what any sample sees.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .model import one_hot
+
+
+def _stream_seed(*words: int) -> int:
+    """A 63-bit seed for one independent random stream, mixed by numpy's SeedSequence."""
+    return int(np.random.SeedSequence(list(words)).generate_state(1, np.uint64)[0] >> 1)
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng(_stream_seed(seed, 0x5EED, epoch)).permutation(n)
+
+
+def subject_for(seed: int, index: int, n: int) -> int:
+    """Position (0..n-1) of the training subject that global sample `index` uses: a fresh
+    permutation every epoch of n samples, so each subject is seen once per epoch."""
+    return int(_epoch_order(seed, index // n, n)[index % n])
+
+
+def draw(seed: int, index: int, timesteps: int, shape: tuple[int, ...]) -> tuple[int, torch.Tensor]:
+    """(timestep, noise) of global sample `index`; noise has `shape` and is drawn on the CPU so that
+    CPU and CUDA runs see the same numbers."""
+    g = torch.Generator().manual_seed(_stream_seed(seed, index))
+    t = int(torch.randint(0, timesteps, (1,), generator=g))
+    return t, torch.randn(shape, generator=g)
+
+
+def val_draws(val_seed: int, n_subjects: int, per_subject: int, timesteps: int, shape) -> list[tuple[int, int, torch.Tensor]]:
+    """Fixed validation draws: (subject position, timestep, noise), timesteps stratified over the schedule.
+
+    Draw j of subject s gets the stratum (j * n_subjects + s), so every subject covers the whole schedule
+    and the draws are identical in every run that shares val_seed and the validation split.
+    """
+    n = n_subjects * per_subject
+    out = []
+    for s in range(n_subjects):
+        for j in range(per_subject):
+            stratum = j * n_subjects + s
+            t = min(timesteps - 1, int((stratum + 0.5) * timesteps / n))
+            g = torch.Generator().manual_seed(_stream_seed(val_seed, 0x7A1, stratum))
+            out.append((s, t, torch.randn(shape, generator=g)))
+    return out
+
+
+def per_sample_loss(net, inferer, scheduler, images, labels, noise, timesteps, num_classes: int,
+                    prediction: str, loss: str) -> torch.Tensor:
+    """Loss of each sample in the batch, shape [B]: mean over voxels of |pred - target| (l1) or squared."""
+    condition = one_hot(labels, num_classes)
+    pred = inferer(inputs=images, diffusion_model=net, noise=noise, timesteps=timesteps,
+                   condition=condition, mode="concat")
+    if prediction == "epsilon":
+        target = noise
+    elif prediction == "sample":
+        target = images
+    else:  # v_prediction
+        target = scheduler.get_velocity(images, noise, timesteps)
+    err = (pred.float() - target.float())
+    err = err.abs() if loss == "l1" else err.square()
+    return err.flatten(1).mean(dim=1)

@@ -1,0 +1,58 @@
+"""Atomic file and directory writes: outputs appear whole or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``final``; rename it onto ``final`` only if the block succeeds.
+
+    Works for files and directories alike (whatever the block creates at the yielded path).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    target = tmp / final.name
+    try:
+        yield target
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(final)
+        os.replace(target, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def repo_root() -> Path:
+    """The project root: the directory holding params.yaml (stages run there)."""
+    here = Path.cwd().resolve()
+    for p in (here, *here.parents):
+        if (p / "params.yaml").is_file() and (p / "dvc.yaml").is_file():
+            return p
+    return here

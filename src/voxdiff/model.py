@@ -1,0 +1,76 @@
+"""Network and noise scheduler, built from params (MONAI's network / scheduler / inferer split)."""
+
+from __future__ import annotations
+
+import torch
+from monai.inferers import DiffusionInferer
+from monai.networks.nets import DiffusionModelUNet
+from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
+
+from .params import Diffusion, Model
+
+
+def build_network(model: Model, num_classes: int) -> DiffusionModelUNet:
+    """3D UNet whose input is the noisy image concatenated with the one-hot label map (med-ddpm style)."""
+    net = DiffusionModelUNet(
+        spatial_dims=3,
+        in_channels=1 + num_classes,
+        out_channels=1,
+        channels=model.channels,
+        attention_levels=model.attention_levels,
+        num_res_blocks=model.num_res_blocks,
+        norm_num_groups=model.norm_num_groups,
+        num_head_channels=model.num_head_channels,
+    )
+    if model.activation_checkpointing:
+        enable_activation_checkpointing(net)
+    return net
+
+
+def enable_activation_checkpointing(net: torch.nn.Module) -> None:
+    """Recompute each down/up block's activations during backward (memory for time).
+
+    MONAI's DiffusionModelUNet has no switch for this, so wrap the blocks' forward in
+    torch.utils.checkpoint (non-reentrant: works with no_sync/DDP and autocast).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = list(net.down_blocks) + [net.middle_block] + list(net.up_blocks)
+    for block in blocks:
+        plain = block.forward
+
+        def forward(*args, _plain=plain, **kwargs):
+            if not torch.is_grad_enabled():
+                return _plain(*args, **kwargs)
+            return checkpoint(_plain, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+
+
+def build_scheduler(diffusion: Diffusion) -> DDPMScheduler:
+    return DDPMScheduler(
+        num_train_timesteps=diffusion.timesteps,
+        schedule=diffusion.schedule,
+        prediction_type=diffusion.prediction,
+        clip_sample=True,
+    )
+
+
+def build_ddim(diffusion: Diffusion, sampling_steps: int) -> DDIMScheduler:
+    ddim = DDIMScheduler(
+        num_train_timesteps=diffusion.timesteps,
+        schedule=diffusion.schedule,
+        prediction_type=diffusion.prediction,
+        clip_sample=True,
+    )
+    ddim.set_timesteps(min(sampling_steps, diffusion.timesteps))
+    return ddim
+
+
+def build_inferer(scheduler) -> DiffusionInferer:
+    return DiffusionInferer(scheduler)
+
+
+def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """[B, D, H, W] class indices -> [B, C, D, H, W] float one-hot, the network's condition."""
+    return torch.nn.functional.one_hot(labels.long(), num_classes).permute(0, 4, 1, 2, 3).float()

@@ -1,0 +1,357 @@
+"""params.yaml: load, validate every key up front, expose typed sections.
+
+The schema below is the only place that knows the keys. There are no defaults here: a key missing
+from params.yaml is an error, so the file stays the single source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from .errors import ParamsError
+
+# --- checks -------------------------------------------------------------------------------------
+Check = Callable[[str, Any], Any]
+
+
+def _fail(key: str, want: str, got: Any) -> ParamsError:
+    return ParamsError(f"params.yaml: {key} must be {want}, got {got!r}")
+
+
+def integer(lo: int | None = None) -> Check:
+    def check(key, v):
+        if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo):
+            raise _fail(key, f"an integer >= {lo}" if lo is not None else "an integer", v)
+        return v
+
+    return check
+
+
+def number(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> Check:
+    def check(key, v):
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = ok and (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi)
+        if not ok:
+            bounds = f"{'>' if lo_open else '>='} {lo}" if lo is not None else ""
+            bounds += (" and " if bounds and hi is not None else "") + (f"<= {hi}" if hi is not None else "")
+            raise _fail(key, f"a finite number {bounds}".strip(), v)
+        return float(v)
+
+    return check
+
+
+def choice(*options: str) -> Check:
+    def check(key, v):
+        if v not in options:
+            raise _fail(key, "one of " + ", ".join(options), v)
+        return v
+
+    return check
+
+
+def text(allow_empty: bool = True) -> Check:
+    def check(key, v):
+        if not isinstance(v, str) or (not allow_empty and not v.strip()):
+            raise _fail(key, "a string" if allow_empty else "a non-empty string", v)
+        return v
+
+    return check
+
+
+def boolean(key, v):
+    if not isinstance(v, bool):
+        raise _fail(key, "true or false", v)
+    return v
+
+
+def int_list(length: int | None = None, lo: int = 0, unique_sorted: bool = False) -> Check:
+    def check(key, v):
+        want = f"a list of {length or ''} integers >= {lo}".replace("  ", " ")
+        if not isinstance(v, list) or not v or (length and len(v) != length):
+            raise _fail(key, want, v)
+        for x in v:
+            if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+                raise _fail(key, want, v)
+        if unique_sorted and (len(set(v)) != len(v)):
+            raise _fail(key, "a list of distinct integers", v)
+        return tuple(v)
+
+    return check
+
+
+def number_list(length: int, lo: float, hi: float | None = None, lo_open: bool = True) -> Check:
+    one = number(lo, hi, lo_open)
+
+    def check(key, v):
+        if not isinstance(v, list) or len(v) != length:
+            raise _fail(key, f"a list of {length} numbers", v)
+        return tuple(one(key, x) for x in v)
+
+    return check
+
+
+def bool_list(key, v):
+    if not isinstance(v, list) or not v or not all(isinstance(x, bool) for x in v):
+        raise _fail(key, "a list of true/false", v)
+    return tuple(v)
+
+
+# --- schema: section -> key -> check --------------------------------------------------------------
+SCHEMA: dict[str, dict[str, Check] | Check] = {
+    "seed": integer(0),
+    "data": {
+        "source": text(allow_empty=False),
+        "subjects": integer(2),
+        "synth_spacing": number(0.5, 8.0),
+        "image_glob": text(allow_empty=False),
+        "label_glob": text(allow_empty=False),
+        "manifest": text(),
+        "label_values": int_list(lo=0, unique_sorted=True),
+        "val_subjects": integer(1),
+    },
+    "preprocess": {
+        "spacing": number_list(3, 0.0),
+        "shape": int_list(3, lo=8),
+        "clip_percentiles": number_list(2, 0.0, 100.0, lo_open=False),
+    },
+    "model": {
+        "channels": int_list(lo=1),
+        "attention_levels": bool_list,
+        "num_res_blocks": integer(1),
+        "norm_num_groups": integer(1),
+        "num_head_channels": integer(1),
+        "activation_checkpointing": boolean,
+    },
+    "diffusion": {
+        "timesteps": integer(2),
+        "schedule": choice("linear_beta", "scaled_linear_beta", "sigmoid_beta", "cosine"),
+        "prediction": choice("epsilon", "sample", "v_prediction"),
+        "loss": choice("l1", "l2"),
+    },
+    "train": {
+        "batch_size": integer(1),
+        "accumulate_every": integer(1),
+        "max_steps": integer(0),
+        "max_samples": integer(0),
+        "lr": number(0.0, lo_open=True),
+        "lr_scaling": choice("none", "linear", "sqrt"),
+        "reference_batch": integer(1),
+        "warmup_samples": integer(0),
+        "grad_clip": number(0.0),
+        "ema_halflife_samples": number(0.0, lo_open=True),
+        "ema_rampup_ratio": number(0.0),
+        "precision": choice("auto", "fp32", "bf16", "fp16"),
+        "device": text(allow_empty=False),
+        "val_every": integer(1),
+        "val_draws": integer(1),
+        "val_seed": integer(0),
+        "checkpoint_every": integer(1),
+        "gns_smoothing": number(0.0, 1.0, lo_open=False),
+    },
+    "evaluate": {
+        "subjects": integer(0),
+        "samples_per_condition": integer(1),
+        "sampling_steps": integer(1),
+        "ancestral": boolean,
+    },
+    "mlflow": {
+        "experiment": text(allow_empty=False),
+        "tracking_uri": text(),
+    },
+}
+
+
+# --- typed sections -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Data:
+    source: str
+    subjects: int
+    synth_spacing: float
+    image_glob: str
+    label_glob: str
+    manifest: str
+    label_values: tuple[int, ...]
+    val_subjects: int
+
+    @property
+    def builtin(self) -> bool:
+        return self.source == "mni152"
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.label_values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocess:
+    spacing: tuple[float, float, float]
+    shape: tuple[int, int, int]
+    clip_percentiles: tuple[float, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    channels: tuple[int, ...]
+    attention_levels: tuple[bool, ...]
+    num_res_blocks: int
+    norm_num_groups: int
+    num_head_channels: int
+    activation_checkpointing: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Diffusion:
+    timesteps: int
+    schedule: str
+    prediction: str
+    loss: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:
+    batch_size: int
+    accumulate_every: int
+    max_steps: int
+    max_samples: int
+    lr: float
+    lr_scaling: str
+    reference_batch: int
+    warmup_samples: int
+    grad_clip: float
+    ema_halflife_samples: float
+    ema_rampup_ratio: float
+    precision: str
+    device: str
+    val_every: int
+    val_draws: int
+    val_seed: int
+    checkpoint_every: int
+    gns_smoothing: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluate:
+    subjects: int
+    samples_per_condition: int
+    sampling_steps: int
+    ancestral: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Mlflow:
+    experiment: str
+    tracking_uri: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    seed: int
+    data: Data
+    preprocess: Preprocess
+    model: Model
+    diffusion: Diffusion
+    train: Train
+    evaluate: Evaluate
+    mlflow: Mlflow
+    raw: dict = dataclasses.field(compare=False, repr=False)
+
+    def flat(self) -> dict[str, Any]:
+        """Every key with a dotted name (`train.accumulate_every`), as MLflow params."""
+        return flatten(self.raw)
+
+    def fingerprint(self, *sections: str) -> str:
+        """sha256 of the named sections (all when none): what a checkpoint was trained with."""
+        chosen = {k: self.raw[k] for k in (sections or self.raw)}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_SECTIONS = {"data": Data, "preprocess": Preprocess, "model": Model, "diffusion": Diffusion,
+             "train": Train, "evaluate": Evaluate, "mlflow": Mlflow}
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def validate(raw: Any) -> Params:
+    """Check every key of a parsed params.yaml and return typed params (or raise ParamsError)."""
+    if not isinstance(raw, dict):
+        raise ParamsError("params.yaml: expected a mapping of sections at the top level")
+    unknown = sorted(set(raw) - set(SCHEMA))
+    if unknown:
+        raise ParamsError(f"params.yaml: unknown key {unknown[0]!r} (known: {', '.join(SCHEMA)})")
+    values: dict[str, Any] = {}
+    for section, spec in SCHEMA.items():
+        if section not in raw:
+            raise ParamsError(f"params.yaml: missing key {section!r}")
+        if callable(spec):
+            values[section] = spec(section, raw[section])
+            continue
+        given = raw[section]
+        if not isinstance(given, dict):
+            raise ParamsError(f"params.yaml: {section} must be a mapping of keys")
+        extra = sorted(set(given) - set(spec))
+        if extra:
+            raise ParamsError(f"params.yaml: unknown key {section}.{extra[0]} (known: {', '.join(spec)})")
+        checked = {}
+        for key, check in spec.items():
+            if key not in given:
+                raise ParamsError(f"params.yaml: missing key {section}.{key}")
+            checked[key] = check(f"{section}.{key}", given[key])
+        values[section] = _SECTIONS[section](**checked)
+    p = Params(**values, raw=raw)
+    _cross_checks(p)
+    return p
+
+
+def _cross_checks(p: Params) -> None:
+    t, m, d = p.train, p.model, p.data
+    if (t.max_steps > 0) == (t.max_samples > 0):
+        raise ParamsError("params.yaml: set exactly one of train.max_steps and train.max_samples "
+                          f"(the other 0), got max_steps={t.max_steps}, max_samples={t.max_samples}")
+    if len(m.attention_levels) != len(m.channels):
+        raise ParamsError(f"params.yaml: model.attention_levels must have {len(m.channels)} entries "
+                          f"(one per model.channels level), got {len(m.attention_levels)}")
+    bad = [c for c in m.channels if c % m.norm_num_groups]
+    if bad:
+        raise ParamsError(f"params.yaml: model.norm_num_groups={m.norm_num_groups} must divide every "
+                          f"model.channels entry, not {bad[0]}")
+    down = 2 ** (len(m.channels) - 1)
+    if any(s % down for s in p.preprocess.shape):
+        raise ParamsError(f"params.yaml: preprocess.shape {list(p.preprocess.shape)} must be divisible by "
+                          f"{down} (2^(levels-1) for {len(m.channels)} model.channels levels)")
+    if len(d.label_values) < 2:
+        raise ParamsError("params.yaml: data.label_values needs at least 2 values (background and one class)")
+    lo, hi = p.preprocess.clip_percentiles
+    if lo >= hi:
+        raise ParamsError(f"params.yaml: preprocess.clip_percentiles must be increasing, got {[lo, hi]}")
+    if not (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:")):
+        raise _fail("train.device", "auto, cpu, cuda or cuda:N", t.device)
+    if d.builtin and d.val_subjects >= d.subjects:
+        raise ParamsError(f"params.yaml: data.val_subjects ({d.val_subjects}) must be smaller than "
+                          f"data.subjects ({d.subjects}) so that some subjects are left to train on")
+
+
+def load(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: params file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    return validate(raw)

@@ -1,0 +1,187 @@
+"""Stage `train`: resume or start, loop with progress, checkpoints, MLflow, metrics files."""
+
+from __future__ import annotations
+
+import csv
+import io
+import sys
+import time
+from pathlib import Path
+
+from . import checkpoint, plots
+from .cache import open_cache
+from .distributed import Runtime, init_runtime, shutdown
+from .errors import TrainingDiverged
+from .fsutil import write_json, write_text
+from .params import Params
+from .schedule import scaled_lr
+from .trainer import Trainer, due
+from .tracking import RunTracker
+
+TRAIN_COLUMNS = ("step", "samples_seen", "wall_time", "train_loss", "lr", "grad_norm", "gns", "samples_per_s")
+VAL_COLUMNS = ("step", "samples_seen", "wall_time", "val_loss")
+
+
+def paths(root: Path) -> dict[str, Path]:
+    return {
+        "checkpoint": root / "models" / "checkpoint.pt",
+        "metrics": root / "metrics" / "train.json",
+        "train_curve": root / "metrics" / "train_curve.tsv",
+        "val_curve": root / "metrics" / "val_curve.tsv",
+        "plot": root / "plots" / "convergence.png",
+    }
+
+
+def say(rt: Runtime, msg: str) -> None:
+    if rt.is_main:
+        print(f"[voxdiff train] {msg}", file=sys.stderr, flush=True)
+
+
+def run_training(params: Params, root: Path, progress: bool | None = None) -> dict:
+    """Train to the budget in params.yaml, resuming an unfinished run of the same configuration."""
+    rt = init_runtime(params.train.device, params.train.precision)
+    try:
+        return _run(params, Path(root), rt, progress)
+    finally:
+        shutdown()
+
+
+def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict:
+    out = paths(root)
+    cache = open_cache(root / "data" / "processed")
+    trainer = Trainer(params, root, rt, cache)
+    budget = trainer.budget
+    state, why = checkpoint.resumable(out["checkpoint"], trainer.fingerprint())
+    if state is not None and state.get("finished"):
+        state, why = None, why + ": training again from scratch"
+    say(rt, why)
+    if state is not None:
+        trainer.restore(state)
+    say(rt, f"device {rt.device}, precision {rt.precision}, world size {rt.world_size}; micro-batch "
+            f"{budget.micro_batch} x accumulate_every {budget.accumulate_every} x {rt.world_size} = effective "
+            f"batch {budget.effective_batch}; {budget.total_steps} steps, {budget.total_samples} samples")
+    if trainer.gns_reason:
+        say(rt, trainer.gns_reason)
+
+    tracker = None
+    if rt.is_main:
+        tracker = RunTracker.start(
+            params, root, resume_run_id=state["mlflow_run_id"] if state else "",
+            tags={"voxdiff.data_fingerprint": cache.fingerprint, "voxdiff.device": str(rt.device),
+                  "voxdiff.world_size": rt.world_size, "voxdiff.precision": rt.precision},
+            extra_params={"effective_batch_size": budget.effective_batch, "world_size": rt.world_size,
+                          "effective_lr": scaled_lr(params.train, budget.effective_batch),
+                          "precision_resolved": rt.precision, "device_resolved": str(rt.device)})
+
+    def save(finished: bool) -> None:
+        if rt.is_main:
+            checkpoint.save(out["checkpoint"], trainer.state(finished, tracker.run_id if tracker else None))
+            if tracker:
+                tracker.log_history(trainer.counters.history)
+
+    c = trainer.counters
+    bar = make_bar(rt, budget.total_steps, c.step, progress)
+    try:
+        while c.step < budget.total_steps:
+            record = trainer.train_step()
+            record["timestamp"] = time.time()
+            if due(c.step, params.train.val_every, budget.total_steps):
+                record["val_loss"] = trainer.validation_loss()
+            c.history.append(record)
+            report_progress(rt, bar, record, budget.total_steps, params.train.val_every)
+            if due(c.step, params.train.checkpoint_every, budget.total_steps) and c.step < budget.total_steps:
+                save(finished=False)
+    except KeyboardInterrupt:
+        save(finished=False)  # the model is only changed at window ends, so this is a clean state
+        say(rt, f"interrupted: checkpoint saved at step {c.step}; rerun the stage to resume")
+        if tracker:
+            tracker.finish("KILLED")
+        raise
+    except TrainingDiverged:
+        if tracker:
+            tracker.finish("FAILED")
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+    save(finished=True)
+    summary = summarize(trainer, params, rt, tracker)
+    if rt.is_main:
+        write_outputs(out, trainer, summary)
+        if tracker:
+            tracker.log_summary(
+                {k: v for k, v in summary.items() if k.startswith(("final_", "total_", "effective_", "peak_"))},
+                artifacts=[out["metrics"], out["plot"], root / "params.yaml",
+                           root / "data" / "processed" / "preview.png"],
+                tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"]})
+            tracker.finish()
+        say(rt, f"done: val_loss {summary['final_val_loss']:.4f}, {summary['total_samples']} samples in "
+                f"{summary['total_wall_time']:.0f} s ({summary['samples_per_s']:.2f} samples/s)")
+    return summary
+
+
+def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker) -> dict:
+    from .fsutil import sha256_file
+
+    c, b = trainer.counters, trainer.budget
+    last = c.history[-1]
+    val = [h for h in c.history if h["val_loss"] is not None]
+    window_means = [h["train_loss"] for h in c.history[-max(1, len(c.history) // 10):]]
+    return {
+        "final_val_loss": val[-1]["val_loss"], "best_val_loss": min(h["val_loss"] for h in val),
+        "final_train_loss": sum(window_means) / len(window_means),
+        "total_steps": c.step, "total_samples": c.samples_seen, "total_wall_time": c.wall_time,
+        "samples_per_s": c.samples_seen / max(c.wall_time, 1e-9),
+        "peak_memory_mb": max(h["peak_memory_mb"] for h in c.history),
+        "effective_batch_size": b.effective_batch, "micro_batch": b.micro_batch,
+        "accumulate_every": b.accumulate_every, "world_size": rt.world_size,
+        "effective_lr": scaled_lr(params.train, b.effective_batch),
+        "skipped_steps": c.skipped_steps, "ema_updates": c.ema_updates,
+        "gns": trainer.gns.value if trainer.gns_reason is None else None,
+        "gns_note": trainer.gns_reason or "", "device": str(rt.device), "precision": rt.precision,
+        "mlflow_run_id": tracker.run_id if tracker else "",
+        "checkpoint_sha256": sha256_file(paths(trainer.root)["checkpoint"]) if rt.is_main else "",
+    }
+
+
+def write_outputs(out: dict[str, Path], trainer: Trainer, summary: dict) -> None:
+    history = trainer.counters.history
+    write_json(out["metrics"], summary)
+    write_text(out["train_curve"], tsv(history, TRAIN_COLUMNS))
+    write_text(out["val_curve"], tsv([h for h in history if h["val_loss"] is not None], VAL_COLUMNS))
+    plots.convergence(history, out["plot"], title=f"micro-batch {summary['micro_batch']} x accumulate "
+                      f"{summary['accumulate_every']} x {summary['world_size']} = {summary['effective_batch_size']}")
+
+
+def tsv(rows: list[dict], columns: tuple[str, ...]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, delimiter="\t", lineterminator="\n")
+    w.writerow(columns)
+    for r in rows:
+        w.writerow(["" if r.get(k) is None else (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]) for k in columns])
+    return buf.getvalue()
+
+
+def make_bar(rt: Runtime, total: int, start: int, progress: bool | None):
+    """A tqdm bar on a terminal; plain log lines otherwise (CI, DVC queue logs)."""
+    from tqdm.auto import tqdm
+
+    interactive = sys.stderr.isatty() if progress is None else progress
+    if not rt.is_main or not interactive:
+        return None
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, desc="train")
+
+
+def report_progress(rt: Runtime, bar, record: dict, total: int, val_every: int) -> None:
+    if not rt.is_main:
+        return
+    post = {"samples": record["samples_seen"], "loss": f"{record['train_loss']:.4f}",
+            "samples/s": f"{record['samples_per_s']:.2f}"}
+    if record["val_loss"] is not None:
+        post["val"] = f"{record['val_loss']:.4f}"
+    if bar is not None:
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+    elif record["val_loss"] is not None:
+        say(rt, f"step {record['step']}/{total} " + " ".join(f"{k} {v}" for k, v in post.items()))

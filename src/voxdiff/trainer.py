@@ -1,0 +1,260 @@
+"""The training loop: exact gradient accumulation, counted in samples seen (after NVlabs EDM).
+
+Follow `train.accumulate_every`: schedule.plan_budget -> Budget.micro_batches (which samples each
+micro-batch holds) -> micro_batch_weight (the line that divides the loss) -> optimizer_step (once
+per window: unscale, clip, step, LR, EMA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from tqdm.auto import tqdm
+
+from . import checkpoint, diffusion, gns
+from .cache import ProcessedCache, open_cache
+from .distributed import Runtime, all_reduce_sum, init_runtime
+from .errors import TrainingDiverged, VoxdiffError
+from .model import build_inferer, build_network, build_scheduler, enable_activation_checkpointing
+from .params import Params
+from .schedule import Budget, ema_beta, lr_at, plan_budget
+
+
+def micro_batch_weight(n_micro: int, n_window: int, budget: Budget) -> float:
+    """Factor on the *sum* of a micro-batch's per-sample losses.
+
+    Sample-weighted: each sample counts 1/n_window, however the window is cut into micro-batches,
+    so a short last window is still exact (dividing by the configured k would not be). DDP averages
+    gradients over ranks, hence the world_size factor. n_micro is unused on purpose: a weight that
+    depends on it (mean per micro-batch, then /k) is the classic accumulation bug.
+    """
+    return budget.world_size / n_window
+
+
+@dataclasses.dataclass
+class Counters:
+    """Everything that says where training is; saved in every checkpoint."""
+    step: int = 0            # optimizer steps taken (windows consumed)
+    samples_seen: int = 0    # global samples consumed
+    wall_time: float = 0.0   # seconds spent training, summed over resumes
+    skipped_steps: int = 0   # fp16 steps skipped by the GradScaler (overflow)
+    ema_updates: int = 0
+    history: list = dataclasses.field(default_factory=list)  # one dict per optimizer step
+
+
+class Trainer:
+    def __init__(self, params: Params, root: Path, rt: Runtime, cache: ProcessedCache):
+        self.p, self.root, self.rt, self.cache = params, root, rt, cache
+        self.budget = plan_budget(params.train, rt.world_size)
+        self.train_rows = cache.split_indices("train")
+        self.val_rows = cache.split_indices("val")
+        self.num_classes = cache.num_classes
+        self.shape = tuple(cache.images.shape[1:])
+
+        torch.manual_seed(params.seed)
+        net = build_network(dataclasses.replace(params.model, activation_checkpointing=False), self.num_classes)
+        self.net = net.to(rt.device)
+        # The EMA copy is taken before activation checkpointing patches the blocks' forward.
+        self.ema = AveragedModel(self.net, use_buffers=True)
+        if params.model.activation_checkpointing:
+            enable_activation_checkpointing(self.net)
+        self.scheduler = build_scheduler(params.diffusion)
+        self.inferer = build_inferer(self.scheduler)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=params.train.lr)
+        self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler)
+        self.gns = gns.GradientNoiseScale(params.train.gns_smoothing)
+        self.gns_reason = gns.not_measurable_reason(params.train.accumulate_every, rt.world_size)
+        self.counters = Counters()
+        self.model = (DistributedDataParallel(self.net) if rt.world_size > 1 else self.net)
+        self.val_set = diffusion.val_draws(params.train.val_seed, len(self.val_rows), params.train.val_draws,
+                                           params.diffusion.timesteps, (1, *self.shape))
+
+    # --- identity ---------------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """What a checkpoint must match to be resumed: params that shape the trajectory, data, world size."""
+        raw = dict(self.p.raw)
+        raw["train"] = {k: v for k, v in raw["train"].items() if k not in ("checkpoint_every", "device")}
+        blob = {k: raw[k] for k in ("seed", "data", "preprocess", "model", "diffusion", "train")}
+        import hashlib, json
+        blob["_data"] = self.cache.fingerprint
+        blob["_world_size"] = self.rt.world_size
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+    # --- data -------------------------------------------------------------------------------------
+    def batch(self, indices: list[int]):
+        """Images, labels, timesteps and noise of the given global sample indices, on the device."""
+        n = len(self.train_rows)
+        rows = [int(self.train_rows[diffusion.subject_for(self.p.seed, i, n)]) for i in indices]
+        draws = [diffusion.draw(self.p.seed, i, self.p.diffusion.timesteps, (1, *self.shape)) for i in indices]
+        dev = self.rt.device
+        images = torch.from_numpy(np.stack([self.cache.images[r] for r in rows]))[:, None].to(dev)
+        labels = torch.from_numpy(np.stack([self.cache.labels[r] for r in rows])).to(dev)
+        t = torch.tensor([d[0] for d in draws], device=dev, dtype=torch.long)
+        noise = torch.stack([d[1] for d in draws]).to(dev)
+        return images, labels, t, noise
+
+    def losses(self, model, images, labels, t, noise) -> torch.Tensor:
+        d = self.p.diffusion
+        with self.rt.autocast():
+            return diffusion.per_sample_loss(model, self.inferer, self.scheduler, images, labels, noise, t,
+                                             self.num_classes, d.prediction, d.loss)
+
+    # --- one optimizer step -----------------------------------------------------------------------
+    def train_step(self) -> dict:
+        step, budget, rt = self.counters.step, self.budget, self.rt
+        window = budget.window(step)
+        n_window = len(window)
+        micros = budget.micro_batches(step, rt.rank)
+        full = n_window == budget.effective_batch
+        probe = GradProbe(self.net) if (full and self.gns_reason is None) else None
+        loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+        t0 = time.perf_counter()
+        for j, micro in enumerate(micros):
+            last = j == len(micros) - 1
+            if not micro and rt.world_size == 1:
+                continue  # short last window: nothing left for this micro-batch
+            # A rank with nothing left in the last window still runs a zero-weight micro-batch so
+            # that DDP's gradient hooks fire the same number of times on every rank.
+            indices, weight = (micro, micro_batch_weight(len(micro), n_window, budget)) if micro else (list(window[:1]), 0.0)
+            sync = contextlib.nullcontext() if (last or rt.world_size == 1) else self.model.no_sync()
+            with sync:
+                per_sample = self.losses(self.model, *self.batch(indices))
+                loss = per_sample.sum() * weight
+                self.scaler.scale(loss).backward()
+            if micro:
+                loss_sum += per_sample.detach().sum().double()
+            if probe is not None and micro and (rt.world_size == 1 or not last):
+                probe.record(weight * len(micro) * self.scaler.get_scale() if rt.use_scaler else weight * len(micro))
+        total_loss, = all_reduce_sum([float(loss_sum)], rt)
+        train_loss = total_loss / n_window
+        if not math.isfinite(train_loss):
+            raise TrainingDiverged(f"training loss is {train_loss} at optimizer step {step + 1} "
+                                   f"(samples {window.start}-{window.stop - 1}); the last good checkpoint is kept")
+        grad_norm, stepped = self.optimizer_step(n_window)
+        if probe is not None and stepped:
+            small = all_reduce_sum([sum(probe.sq_norms), len(probe.sq_norms)], rt)
+            if small[1] > 0:
+                self.gns.update([small[0] / small[1]], budget.micro_batch, grad_norm ** 2, budget.effective_batch)
+        c = self.counters
+        c.step += 1
+        c.samples_seen += n_window
+        elapsed = time.perf_counter() - t0
+        c.wall_time += elapsed
+        return {
+            "step": c.step, "samples_seen": c.samples_seen, "wall_time": round(c.wall_time, 4),
+            "train_loss": train_loss, "val_loss": None, "lr": self.opt.param_groups[0]["lr"],
+            "grad_norm": grad_norm, "samples_per_s": n_window / max(elapsed, 1e-9),
+            "gns": self.gns.value if self.gns_reason is None else None,
+            "gns_grad_sq": self.gns.grad_sq, "gns_trace": self.gns.trace,
+            "peak_memory_mb": peak_memory_mb(rt.device),
+        }
+
+    def optimizer_step(self, n_window: int) -> tuple[float, bool]:
+        """Once per window: LR, unscale, clip (norm logged before clipping), step, EMA."""
+        c, tr = self.counters, self.p.train
+        lr = lr_at(tr, self.budget.effective_batch, c.samples_seen + n_window)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.scaler.unscale_(self.opt)
+        max_norm = tr.grad_clip if tr.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm))
+        if not self.rt.use_scaler and not math.isfinite(grad_norm):
+            raise TrainingDiverged(f"gradient norm is {grad_norm} at optimizer step {c.step + 1}; "
+                                   "the last good checkpoint is kept")
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        stepped = not (self.rt.use_scaler and self.scaler.get_scale() < scale_before)
+        if stepped:
+            beta = ema_beta(tr, n_window, c.samples_seen + n_window)
+            self.ema.multi_avg_fn = get_ema_multi_avg_fn(beta)
+            self.ema.update_parameters(self.net)
+            c.ema_updates += 1
+        else:
+            c.skipped_steps += 1  # fp16 overflow: the scaler skipped the step, so EMA and GNS skip it too
+        return grad_norm, stepped
+
+    # --- validation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validation_loss(self, chunk: int = 4) -> float:
+        """EMA model's loss on the held-out subjects with fixed (t, noise) draws: comparable across runs."""
+        net = self.ema.module
+        net.eval()
+        total = 0.0
+        dev = self.rt.device
+        for i in range(0, len(self.val_set), chunk):
+            part = self.val_set[i:i + chunk]
+            rows = [int(self.val_rows[s]) for s, _, _ in part]
+            images = torch.from_numpy(np.stack([self.cache.images[r] for r in rows]))[:, None].to(dev)
+            labels = torch.from_numpy(np.stack([self.cache.labels[r] for r in rows])).to(dev)
+            t = torch.tensor([d[1] for d in part], device=dev, dtype=torch.long)
+            noise = torch.stack([d[2] for d in part]).to(dev)
+            total += float(self.losses(net, images, labels, t, noise).double().sum())
+        return total / len(self.val_set)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def state(self, finished: bool, run_id: str | None) -> dict:
+        c = self.counters
+        return {
+            "fingerprint": self.fingerprint(), "finished": finished,
+            "step": c.step, "samples_seen": c.samples_seen, "wall_time": c.wall_time,
+            "skipped_steps": c.skipped_steps, "ema_updates": c.ema_updates, "history": c.history,
+            "model": self.net.state_dict(), "ema": self.ema.state_dict(),
+            "optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict(),
+            "gns": self.gns.state_dict(), "mlflow_run_id": run_id or "",
+            "num_classes": self.num_classes, "shape": list(self.shape),
+            "params": {k: self.p.raw[k] for k in ("seed", "model", "diffusion", "preprocess")},
+            "label_values": list(self.cache.label_values),
+        }
+
+    def restore(self, state: dict) -> None:
+        self.net.load_state_dict(state["model"])
+        self.ema.load_state_dict(state["ema"])
+        self.opt.load_state_dict(state["optimizer"])
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.gns.load_state_dict(state["gns"])
+        self.counters = Counters(state["step"], state["samples_seen"], state["wall_time"],
+                                 state["skipped_steps"], state["ema_updates"], list(state["history"]))
+
+
+class GradProbe:
+    """|g_j|^2 of each micro-batch's own mean-loss gradient, for the gradient noise scale.
+
+    The running .grad holds the sum over earlier micro-batches, so g_j is the difference between
+    .grad after and before micro-batch j, divided by the factor that micro-batch's loss carried.
+    """
+
+    def __init__(self, net: torch.nn.Module):
+        self.params = [p for p in net.parameters() if p.requires_grad]
+        self.before: list[torch.Tensor] | None = None
+        self.sq_norms: list[float] = []
+
+    @torch.no_grad()
+    def record(self, loss_factor: float) -> None:
+        now = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        diff = now if self.before is None else torch._foreach_sub(now, self.before)
+        sq = float(sum(float(n) ** 2 for n in torch._foreach_norm(diff)))
+        self.sq_norms.append(sq / loss_factor ** 2)
+        self.before = [g.clone() for g in now]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def due(step: int, every: int, last: int) -> bool:
+    return step % every == 0 or step == last

@@ -1,0 +1,126 @@
+"""Real processes: resume after SIGKILL is bitwise exact, DDP on 2 gloo processes equals one process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import TINY, raw_params, write_tiny_cache
+
+pytestmark = pytest.mark.slow
+
+
+def project(root: Path, overrides: dict) -> Path:
+    """A project root with the tiny cache and a params.yaml holding TINY + overrides."""
+    root.mkdir(parents=True, exist_ok=True)
+    write_tiny_cache(root)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**TINY, **overrides}), sort_keys=False))
+    return root
+
+
+def env_for(root: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
+    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def train_cmd(root: Path) -> list[str]:
+    return [sys.executable, "-m", "voxdiff.cli", "train", "--root", str(root), "--no-progress"]
+
+
+def load_ckpt(root: Path) -> dict:
+    return torch.load(root / "models" / "checkpoint.pt", weights_only=True)
+
+
+def same_tensors(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_tensors(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def without_timing(history: list[dict]) -> list[dict]:
+    drop = ("wall_time", "samples_per_s", "peak_memory_mb", "timestamp")
+    return [{k: v for k, v in h.items() if k not in drop} for h in history]
+
+
+def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
+    cfg = {"train.max_samples": 160, "train.batch_size": 1, "train.accumulate_every": 2,
+           "train.checkpoint_every": 4, "train.val_every": 8}
+    ref = project(tmp_path / "ref", cfg)
+    subprocess.run(train_cmd(ref), env=env_for(ref), check=True, capture_output=True)
+
+    run = project(tmp_path / "run", cfg)
+    proc = subprocess.Popen(train_cmd(run), env=env_for(run), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckpt = run / "models" / "checkpoint.pt"
+    deadline = time.time() + 120
+    while not ckpt.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.7)  # let it run on past the checkpoint, into the middle of later windows
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    killed_at = load_ckpt(run)
+    assert not killed_at["finished"] and 0 < killed_at["step"] < 80
+
+    resumed = subprocess.run(train_cmd(run), env=env_for(run), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {ckpt} at step {killed_at['step']}" in resumed.stderr
+    a, b = load_ckpt(ref), load_ckpt(run)
+    for key in ("model", "ema", "optimizer", "gns"):
+        assert same_tensors(a[key], b[key]), key
+    assert (a["step"], a["samples_seen"]) == (b["step"], b["samples_seen"]) == (80, 160)
+    assert without_timing(a["history"]) == without_timing(b["history"])
+
+    # The resumed training continued the same MLflow run without logging any step twice.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("voxdiff").experiment_id])
+    assert len(runs) == 1 and runs[0].info.run_id == b["mlflow_run_id"] and runs[0].info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(b["mlflow_run_id"], "train_loss")]
+    assert sorted(steps) == list(range(1, 81))
+
+
+def test_changed_params_start_fresh(tmp_path):
+    root = project(tmp_path / "p", {"train.max_samples": 8})
+    first = subprocess.run(train_cmd(root), env=env_for(root), capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    (root / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**TINY, "train.max_samples": 8, "train.lr": 5.0e-4})))
+    second = subprocess.run(train_cmd(root), env=env_for(root), capture_output=True, text=True)
+    assert second.returncode == 0
+    assert "was made by other params or data" in second.stderr and "starting fresh" in second.stderr
+    assert load_ckpt(root)["step"] == 4
+
+
+@pytest.mark.parametrize("max_samples", [4, 3])
+def test_ddp_two_gloo_processes_match_one_process(tmp_path, max_samples):
+    """torchrun --nproc_per_node 2 (b=1, k=1) equals one process with b=1, k=2 — also when the last
+    window leaves one rank without a sample (max_samples=3)."""
+    common = {"train.max_samples": max_samples, "train.batch_size": 1, "train.grad_clip": 0.0}
+    single = project(tmp_path / "single", {**common, "train.accumulate_every": 2})
+    subprocess.run(train_cmd(single), env=env_for(single), check=True, capture_output=True)
+
+    ddp = project(tmp_path / "ddp", {**common, "train.accumulate_every": 1})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(29500 + max_samples),
+           "-m", "voxdiff.cli", "train", "--root", str(ddp), "--no-progress"]
+    out = subprocess.run(cmd, env=env_for(ddp), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = load_ckpt(single), load_ckpt(ddp)
+    assert b["step"] == a["step"] == 2 and b["samples_seen"] == max_samples
+    num = sum(float((a["model"][k] - b["model"][k]).double().square().sum()) for k in a["model"])
+    den = sum(float(a["model"][k].double().square().sum()) for k in a["model"])
+    assert (num / den) ** 0.5 <= 1e-5
+    assert "world size 2" in out.stderr
