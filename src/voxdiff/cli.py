@@ -141,12 +141,15 @@ def _register_optional() -> None:
     except ImportError:  # pragma: no cover - only while the module is being written
         compare_command = None
     if compare_command is not None:
+        compare_command.callback = user_errors(compare_command.callback)
         main.add_command(compare_command, "compare")
     try:
         from .sample import sample_command
     except ImportError:  # pragma: no cover
         sample_command = None
     if sample_command is not None:
+        if not getattr(sample_command.callback, "__wrapped__", None):
+            sample_command.callback = user_errors(sample_command.callback)
         main.add_command(sample_command, "sample")
 
 

@@ -72,3 +72,24 @@ def per_sample_loss(net, inferer, scheduler, images, labels, noise, timesteps, n
     err = (pred.float() - target.float())
     err = err.abs() if loss == "l1" else err.square()
     return err.flatten(1).mean(dim=1)
+
+
+@torch.no_grad()
+def validation_loss(net, inferer, scheduler, cache, val_rows, draws, diffusion_params, device,
+                    autocast, chunk: int = 4) -> float:
+    """Mean loss over fixed validation draws (see val_draws): the convergence signal shared by
+    training (EMA weights, every val_every steps) and evaluation."""
+    net.eval()
+    total = 0.0
+    for i in range(0, len(draws), chunk):
+        part = draws[i:i + chunk]
+        rows = [int(val_rows[s]) for s, _, _ in part]
+        images = torch.from_numpy(np.stack([cache.images[r] for r in rows]))[:, None].to(device)
+        labels = torch.from_numpy(np.stack([cache.labels[r] for r in rows])).to(device)
+        t = torch.tensor([d[1] for d in part], device=device, dtype=torch.long)
+        noise = torch.stack([d[2] for d in part]).to(device)
+        with autocast():
+            losses = per_sample_loss(net, inferer, scheduler, images, labels, noise, t, cache.num_classes,
+                                     diffusion_params.prediction, diffusion_params.loss)
+        total += float(losses.double().sum())
+    return total / len(draws)

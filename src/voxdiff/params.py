@@ -153,7 +153,7 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "val_draws": integer(1),
         "val_seed": integer(0),
         "checkpoint_every": integer(1),
-        "gns_smoothing": number(0.0, 1.0, lo_open=False),
+        "gns_smoothing": number(0.0, 0.999),
     },
     "evaluate": {
         "subjects": integer(0),

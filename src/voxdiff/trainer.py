@@ -186,22 +186,10 @@ class Trainer:
         return grad_norm, stepped
 
     # --- validation -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def validation_loss(self, chunk: int = 4) -> float:
+    def validation_loss(self) -> float:
         """EMA model's loss on the held-out subjects with fixed (t, noise) draws: comparable across runs."""
-        net = self.ema.module
-        net.eval()
-        total = 0.0
-        dev = self.rt.device
-        for i in range(0, len(self.val_set), chunk):
-            part = self.val_set[i:i + chunk]
-            rows = [int(self.val_rows[s]) for s, _, _ in part]
-            images = torch.from_numpy(np.stack([self.cache.images[r] for r in rows]))[:, None].to(dev)
-            labels = torch.from_numpy(np.stack([self.cache.labels[r] for r in rows])).to(dev)
-            t = torch.tensor([d[1] for d in part], device=dev, dtype=torch.long)
-            noise = torch.stack([d[2] for d in part]).to(dev)
-            total += float(self.losses(net, images, labels, t, noise).double().sum())
-        return total / len(self.val_set)
+        return diffusion.validation_loss(self.ema.module, self.inferer, self.scheduler, self.cache, self.val_rows,
+                                         self.val_set, self.p.diffusion, self.rt.device, self.rt.autocast)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state(self, finished: bool, run_id: str | None) -> dict:

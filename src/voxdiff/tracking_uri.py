@@ -1,0 +1,23 @@
+"""Where MLflow runs live: one rule shared by the trainer, evaluate and compare."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .fsutil import repo_root
+from .params import Params
+
+
+def resolve_tracking_uri(params: Params | None = None, root: str | os.PathLike | None = None) -> str:
+    """MLFLOW_TRACKING_URI, else params' mlflow.tracking_uri if non-empty, else sqlite:///<root>/mlflow.db.
+
+    The root is DVC_ROOT when set (a queued DVC experiment runs in a temp copy that is deleted, taking a
+    cwd-relative database with it), else ``root``, else the repo root above the current directory.
+    """
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if params is not None and params.mlflow.tracking_uri.strip():
+        return params.mlflow.tracking_uri.strip()
+    base = Path(os.environ.get("DVC_ROOT") or root or repo_root()).resolve()
+    return f"sqlite:///{base / 'mlflow.db'}"

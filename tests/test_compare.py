@@ -1,0 +1,217 @@
+"""voxdiff compare against a real SQLite MLflow store filled with synthetic training runs."""
+
+import dataclasses
+import math
+import statistics
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import yaml
+from click.testing import CliRunner
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+
+from voxdiff import params as params_mod
+from voxdiff.compare import compare_command, compare_runs
+from voxdiff.errors import VoxdiffError
+from voxdiff.tracking_uri import resolve_tracking_uri
+
+SAMPLES, VAL_EVERY_SAMPLES, MICRO = 256, 8, 1
+# Val-loss floors per accumulate_every, one per seed (final = floor + 0.9 exp(-256 / 40k): +0.0015 at
+# k=1, +0.037 at k=2). NOISY k=1 and k=2 finals overlap: means 0.115 and 0.117, spreads ~0.015.
+CLEAR = {1: [0.100, 0.101, 0.102], 2: [0.110, 0.112, 0.111], 4: [0.200, 0.205, 0.210]}
+NOISY = {1: [0.100, 0.130, 0.110], 2: [0.080, 0.090, 0.070], 4: [0.150]}
+GNS_LAST = {2: [12.0, 13.0, 14.0], 4: [12.0, 13.0, 14.0]}  # by seed index
+
+
+def val_curve(k: int, floor: float) -> list[tuple[int, float]]:
+    """(optimizer step, val loss): decays per sample seen, slower for larger effective batch."""
+    return [(s // (k * MICRO), floor + 0.9 * math.exp(-s / (40 * k)))
+            for s in range(VAL_EVERY_SAMPLES, SAMPLES + 1, VAL_EVERY_SAMPLES)]
+
+
+def log_training_run(client, exp_id, k, seed, floor=None, gns_last=None, finish=True, evals=None):
+    tags = {"voxdiff.kind": "train", "voxdiff.dvc_exp_name": f"exp-k{k}-s{seed}", "voxdiff.device": "cpu"}
+    rid = client.create_run(exp_id, tags=tags).info.run_id
+    params = {"seed": seed, "train.accumulate_every": k, "train.batch_size": MICRO, "train.lr": 2e-4,
+              "train.lr_scaling": "none", "train.max_samples": SAMPLES, "effective_batch_size": k * MICRO,
+              "effective_lr": 2e-4, "world_size": 1}
+    steps = SAMPLES // (k * MICRO)
+    metrics = []
+    for step in range(1, steps + 1):
+        metrics += [Metric("samples_seen", step * k * MICRO, step, step),
+                    Metric("wall_time", step * k * 0.5, step, step),
+                    Metric("train_loss", 1.0 / step, step, step),
+                    Metric("peak_memory_mb", 100.0 + k, step, step)]
+        if gns_last is not None:
+            metrics.append(Metric("gns", gns_last, step, step))
+    curve = val_curve(k, floor) if floor is not None else []
+    metrics += [Metric("val_loss", v, step, step) for step, v in curve]
+    final = {"total_steps": steps, "total_samples": SAMPLES, "total_wall_time": steps * k * 0.5}
+    if curve:
+        final["final_val_loss"] = curve[-1][1]
+    final.update(evals or {})
+    metrics += [Metric(key, v, 0, steps) for key, v in final.items()]
+    for i in range(0, len(metrics), 900):  # log_batch takes at most 1000 metrics
+        client.log_batch(rid, metrics=metrics[i:i + 900],
+                         params=[Param(key, str(v)) for key, v in params.items()] if i == 0 else [])
+    if finish:
+        client.set_terminated(rid, "FINISHED")
+    return rid
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exps = {name: client.create_experiment(name, artifact_location=(root / name).as_uri())
+            for name in ("clear", "noisy", "empty")}
+    ids = {}
+    for name, floors in (("clear", CLEAR), ("noisy", NOISY)):
+        for k, per_seed in floors.items():
+            for seed, floor in enumerate(per_seed):
+                gns = GNS_LAST[k][seed] if name == "clear" and k in GNS_LAST else None
+                evals = {"eval_ssim": 0.5 + 0.1 * seed} if name == "clear" and k == 1 else None
+                ids[(name, k, seed)] = log_training_run(client, exps[name], k, seed, floor, gns, evals=evals)
+    for seed in range(2):  # a group whose runs never logged a validation loss
+        ids[("clear", 8, seed)] = log_training_run(client, exps["clear"], 8, seed)
+    ids["running"] = log_training_run(client, exps["clear"], 1, 9, 0.05, finish=False)
+    return uri, client, ids
+
+
+def table_row(report: str, key: str) -> list[str]:
+    line = next(l for l in report.splitlines() if l.startswith(f"| train.accumulate_every={key} | {MICRO} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def expected_to_target(floors: dict[int, list[float]]):
+    """Independent steps/samples to reach the default target (highest of all runs' best val loss)."""
+    curves = {k: [val_curve(k, f) for f in fl] for k, fl in floors.items()}
+    target = max(min(v for _, v in c) for cs in curves.values() for c in cs)
+    steps = {k: [next(s for s, v in c if v <= target) for c in cs] for k, cs in curves.items()}
+    return target, steps
+
+
+def test_report_numbers_match_independent_computation(store, tmp_path):
+    uri, _, _ = store
+    result = compare_runs(uri, "clear", tmp_path / "report.md", log=False)
+    report = result.report_path.read_text()
+    target, steps = expected_to_target(CLEAR)
+    assert result.target_val_loss == pytest.approx(target)
+    assert [g.key for g in result.groups] == ["1", "2", "4", "8"]
+    for k, floors in CLEAR.items():
+        finals = [val_curve(k, f)[-1][1] for f in floors]
+        row = table_row(report, str(k))
+        # setting, micro-batch, k, effective batch, lr, seeds, final val loss, steps, samples, ...
+        assert row[2:6] == [str(k), str(k * MICRO), "0.0002", "3"]
+        assert row[6] == f"{statistics.mean(finals):.4g} ± {statistics.stdev(finals):.2g}"
+        assert row[7] == f"{statistics.mean(steps[k]):.0f} ± {statistics.stdev(steps[k]):.0f}"
+        samples = [s * k * MICRO for s in steps[k]]
+        assert row[8] == f"{statistics.mean(samples):.0f} ± {statistics.stdev(samples):.0f}"
+        group = next(g for g in result.groups if g.key == str(k))
+        assert group.steps_to_target == steps[k]
+    assert "| train.accumulate_every=1 | 0.6 ± 0.1 |" in report  # eval_ssim of seeds 0.5, 0.6, 0.7
+
+
+def test_noise_scale_implication(store, tmp_path):
+    uri, _, _ = store
+    result = compare_runs(uri, "clear", tmp_path / "report.md", log=False)
+    assert result.b_noise == pytest.approx(13.0)
+    assert result.balanced_accumulate_every == 16  # 13 / (1 x 1) -> nearest power of two
+    report = result.report_path.read_text()
+    assert "no small/big batch pair" in report  # the k=1 group
+    assert "| 16 (k*) | 16 | 1.81 | 2.23 |" in report  # 1 + 13/16, 1 + 16/13
+
+
+def test_missing_val_loss_and_unfinished_runs_are_reported_not_fatal(store, tmp_path):
+    uri, _, ids = store
+    result = compare_runs(uri, "clear", tmp_path / "report.md", log=False)
+    report = result.report_path.read_text()
+    missing = [m for m in result.messages if "train.accumulate_every=8" in m]
+    assert len(missing) == 1 and "no val_loss logged" in missing[0] and missing[0] in report
+    assert any("unfinished" in m and ids["running"][:8] in m for m in result.messages)
+    assert ids["running"] not in report
+    assert table_row(report, "8")[6] == "no val_loss"
+
+
+def test_reading_separates_clear_differences_from_seed_noise(store, tmp_path):
+    uri, _, _ = store
+    clear = compare_runs(uri, "clear", tmp_path / "clear.md", log=False).report_path.read_text()
+    line = next(l for l in clear.splitlines() if l.startswith("- train.accumulate_every=2: final val loss"))
+    assert "clearly higher than train.accumulate_every=1" in line
+    noisy = compare_runs(uri, "noisy", tmp_path / "noisy.md", log=False).report_path.read_text()
+    line = next(l for l in noisy.splitlines() if l.startswith("- train.accumulate_every=2: final val loss"))
+    assert "within seed noise" in line and "clearly" not in line
+    line = next(l for l in noisy.splitlines() if l.startswith("- train.accumulate_every=4: final val loss"))
+    assert "unreplicated" in line
+
+
+def test_figures_are_valid_pngs(store, tmp_path):
+    uri, _, _ = store
+    result = compare_runs(uri, "clear", tmp_path / "out" / "report.md", log=False)
+    names = {p.name for p in result.figure_paths}
+    assert names == {f"report_{n}.png" for n in ("val_loss_vs_steps", "val_loss_vs_samples",
+                                                 "val_loss_vs_wall_time", "gns_vs_samples")}
+    report = result.report_path.read_text()
+    for p in result.figure_paths:
+        assert p.parent == result.report_path.parent and f"]({p.name})" in report
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert matplotlib.image.imread(p).shape[0] > 300
+
+
+def test_no_runs_is_a_one_line_error_naming_the_experiment(store, tmp_path):
+    uri, _, _ = store
+    for exp, filt in (("empty", None), ("missing-exp", None), ("clear", "params.seed = '42'")):
+        with pytest.raises(VoxdiffError, match=exp) as err:
+            compare_runs(uri, exp, tmp_path / "r.md", filter_string=filt, log=False)
+        assert "\n" not in str(err.value)
+    with pytest.raises(VoxdiffError, match="no MLflow database"):
+        compare_runs(f"sqlite:///{tmp_path / 'nope.db'}", "clear", tmp_path / "r.md")
+    assert not (tmp_path / "nope.db").exists() and not (tmp_path / "r.md").exists()
+
+
+def test_compare_run_is_logged_with_report_and_figures(store, tmp_path):
+    uri, client, ids = store
+    result = compare_runs(uri, "noisy", tmp_path / "report.md", filter_string="params.seed = '0'")
+    run = client.get_run(result.compare_run_id)
+    assert run.data.tags["voxdiff.kind"] == "compare" and run.info.status == "FINISHED"
+    assert run.data.params["group_by"] == "train.accumulate_every"
+    assert run.data.params["filter"] == "params.seed = '0'"
+    assert set(run.data.tags["voxdiff.compared_runs"].split(",")) == {ids[("noisy", k, 0)] for k in NOISY}
+    logged = {a.path for a in client.list_artifacts(result.compare_run_id)}
+    assert {"report.md", *(p.name for p in result.figure_paths)} <= logged
+    # The compare run is not a training run: a later compare ignores it.
+    again = compare_runs(uri, "noisy", tmp_path / "again.md", log=False)
+    assert sum(len(g.run_ids) for g in again.groups) == 7
+
+
+def test_cli_uses_params_experiment_and_env_tracking_uri(store, tmp_path, monkeypatch):
+    uri, _, _ = store
+    raw = params_mod.load(Path(__file__).parents[1] / "params.yaml").raw
+    raw = {**raw, "mlflow": {"experiment": "clear", "tracking_uri": ""}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    res = CliRunner().invoke(compare_command, ["--out", "rep/compare.md", "--no-log"])
+    assert res.exit_code == 0, res.output
+    assert "train.accumulate_every" in res.stdout and "0.1025 ± 0.001" in res.stdout
+    assert "no val_loss logged" in res.stderr
+    assert (tmp_path / "rep" / "compare.md").is_file() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_resolve_tracking_uri_rule(tmp_path, monkeypatch):
+    p = params_mod.load(Path(__file__).parents[1] / "params.yaml")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    blank = dataclasses.replace(p, mlflow=params_mod.Mlflow("voxdiff", ""))
+    assert resolve_tracking_uri(blank, tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "user"))
+    assert resolve_tracking_uri(blank, tmp_path / "queue-tmp") == f"sqlite:///{tmp_path.resolve()}/user/mlflow.db"
+    server = dataclasses.replace(p, mlflow=params_mod.Mlflow("voxdiff", "http://host:5000"))
+    assert resolve_tracking_uri(server, tmp_path) == "http://host:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:1")
+    assert resolve_tracking_uri(server, tmp_path) == "http://env:1"
