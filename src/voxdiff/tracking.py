@@ -18,6 +18,11 @@ from .errors import VoxdiffError
 from .params import Params
 from .tracking_uri import resolve_tracking_uri
 
+# An unreachable server should fail the start-up check in seconds, not after MLflow's default
+# minutes of retries; users can still override both.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
 METRIC_KEYS = ("train_loss", "val_loss", "grad_norm", "lr", "samples_seen", "wall_time", "samples_per_s",
                "peak_memory_mb", "gns", "gns_grad_sq", "gns_trace")
 
@@ -31,9 +36,22 @@ def _client(uri: str):
 def ensure_experiment(uri: str, name: str, root: Path) -> str:
     """Create the store's schema and the experiment (absolute artifact location) if missing.
 
-    Done once, up front: queued DVC workers would otherwise race on creating both, and an experiment
-    first created inside a queue temp dir would point its artifacts at a directory DVC deletes.
+    Done once, up front and under a file lock for a SQLite store: parallel queue workers facing a
+    missing database otherwise race on creating its tables ("table ... already exists"), and an
+    experiment first created inside a queue temp dir would point its artifacts at a directory DVC deletes.
     """
+    if uri.startswith("sqlite:///"):
+        from filelock import FileLock
+
+        db = Path(uri[len("sqlite:///"):])
+        if not db.parent.is_dir():
+            raise VoxdiffError(f"MLflow tracking store {uri}: directory {db.parent} does not exist")
+        with FileLock(str(db) + ".lock", timeout=120):
+            return _ensure_experiment(uri, name)
+    return _ensure_experiment(uri, name)
+
+
+def _ensure_experiment(uri: str, name: str) -> str:
     try:
         client = _client(uri)
         exp = client.get_experiment_by_name(name)
