@@ -1,0 +1,132 @@
+"""End to end with real git, dvc and a real SQLite MLflow store, in a temporary repo (tiny config)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, TINY, raw_params
+
+pytestmark = pytest.mark.slow
+
+E2E = {**TINY, "data.label_values": [0, 1, 2, 3], "data.subjects": 4, "data.synth_spacing": 4.0,
+       "data.val_subjects": 1, "preprocess.spacing": [12.0, 12.0, 12.0], "evaluate.sampling_steps": 3,
+       "train.max_samples": 16}
+
+
+def sh(repo: Path, *cmd: str, check: bool = True, env=None) -> subprocess.CompletedProcess:
+    out = subprocess.run(list(cmd), cwd=repo, capture_output=True, text=True, env=env or repo_env(repo), timeout=900)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out
+
+
+def repo_env(repo: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DVC_", "PYTEST_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t",
+               OMP_NUM_THREADS="1")
+    return env
+
+
+def make_repo(path: Path, overrides: dict | None = None) -> Path:
+    """A fresh git + DVC repo holding the project as a user would clone it, with a tiny params.yaml."""
+    path.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in ("stages", "src"):
+        shutil.copytree(REPO / name, path / name, ignore=ignore)
+    shutil.copytree(REPO / "data" / "mni152", path / "data" / "mni152")
+    for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
+        if (REPO / name).exists():
+            shutil.copy(REPO / name, path / name)
+    (path / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**E2E, **(overrides or {})}), sort_keys=False))
+    sh(path, "git", "init", "-q", "-b", "main")
+    sh(path, "dvc", "init", "-q")
+    sh(path, "dvc", "config", "core.analytics", "false")
+    sh(path, "git", "add", "-A")
+    sh(path, "git", "commit", "-qm", "init")
+    return path
+
+
+def mlflow_runs(repo: Path) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("voxdiff")
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.`voxdiff.kind` = 'train'")
+    return client, runs
+
+
+def test_pipeline_repro_experiments_and_queue(tmp_path):
+    repo = make_repo(tmp_path / "proj")
+
+    # 1. dvc repro runs the four stages and produces every declared output.
+    out = sh(repo, "dvc", "repro")
+    for stage in ("prepare", "preprocess", "train", "evaluate"):
+        assert f"Running stage '{stage}'" in out.stdout
+    for path in ("data/raw/index.json", "data/processed/images.npy", "data/processed/preview.png",
+                 "models/checkpoint.pt", "metrics/train.json", "metrics/eval.json", "plots/convergence.png"):
+        assert (repo / path).is_file(), path
+    train = json.loads((repo / "metrics/train.json").read_text())
+    assert train["total_samples"] == 16 and train["effective_batch_size"] == 2
+    client, runs = mlflow_runs(repo)
+    assert len(runs) == 1 and runs[0].info.run_id == train["mlflow_run_id"]
+    assert "eval_ssim" in runs[0].data.metrics  # evaluate logged into the training's run
+
+    # 2. Nothing changed: nothing reruns.
+    again = sh(repo, "dvc", "repro")
+    assert "Running stage" not in again.stdout
+
+    # 3. dvc exp run -S: an MLflow run named after the DVC experiment with the new setting.
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "baseline", check=False)
+    exp = sh(repo, "dvc", "exp", "run", "-S", "train.accumulate_every=4", "-n", "acc4")
+    assert "Running stage 'train'" in exp.stdout and "Running stage 'prepare'" not in exp.stdout
+    client, runs = mlflow_runs(repo)
+    acc4 = [r for r in runs if r.info.run_name == "acc4"]
+    assert len(acc4) == 1
+    p = acc4[0].data.params
+    assert p["train.accumulate_every"] == "4" and p["effective_batch_size"] == "4"
+    assert acc4[0].data.tags["voxdiff.dvc_exp_name"] == "acc4"
+    val_steps = [m.step for m in client.get_metric_history(acc4[0].info.run_id, "val_loss")]
+    assert len(val_steps) >= 2 and len(set(val_steps)) == len(val_steps)
+    show = sh(repo, "dvc", "exp", "show", "--csv")
+    header = show.stdout.splitlines()[0]
+    assert "train.accumulate_every" in header and "final_val_loss" in header
+
+
+def test_queued_grid_creates_one_run_each(tmp_path):
+    """3 queued settings, 2 workers, no MLflow store beforehand: exactly 3 runs with the right params."""
+    repo = make_repo(tmp_path / "proj")
+    sh(repo, "dvc", "repro", "preprocess")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "data")
+    assert not (repo / "mlflow.db").exists()
+    sh(repo, "dvc", "exp", "run", "--queue", "-S", "train.accumulate_every=1,2,4")
+    sh(repo, "dvc", "queue", "start", "-j", "2")
+    import time
+
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        status = sh(repo, "dvc", "queue", "status").stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        time.sleep(3)
+    assert "Failed" not in status, status + sh(repo, "dvc", "queue", "logs", status.split()[0], check=False).stdout
+    client, runs = mlflow_runs(repo)
+    settings = sorted(r.data.params["train.accumulate_every"] for r in runs)
+    assert settings == ["1", "2", "4"], settings
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert {r.data.params["effective_batch_size"] for r in runs} == {"1", "2", "4"}
+    # The store is the user's repo root, not the deleted queue temp dirs.
+    with sqlite3.connect(repo / "mlflow.db") as db:
+        (location,) = db.execute("select artifact_location from experiments where name='voxdiff'").fetchone()
+    assert location.startswith("file://") and str(repo) in location
