@@ -40,9 +40,7 @@ bench: $(STAMP)
 
 sweep: $(STAMP)
 	$(BIN)/dvc exp run --queue -S 'train.accumulate_every=1,2,4,8' -S 'seed=0,1,2'
-	$(BIN)/dvc queue start -j 1
-	$(BIN)/python -c "import time, subprocess, sys; sys.exit(0)"
-	$(BIN)/dvc queue status
+	JOBS=$${JOBS:-1} bash docs/study/wait_queue.sh
 	$(BIN)/voxdiff compare --out reports/sweep.md
 
 study: $(STAMP)

@@ -15,7 +15,7 @@ from voxdiff.errors import ParamsError
 
 def small(seed: int = 0, **overrides):
     """Two subjects at 4 mm, preprocessed to 24^3 at 8 mm: seconds, not minutes."""
-    base = {"seed": seed, "data.subjects": 2, "data.synth_spacing": 4.0, "data.val_subjects": 1,
+    base = {"data.seed": seed, "data.subjects": 2, "data.synth_spacing": 4.0, "data.val_subjects": 1,
             "preprocess.spacing": [8.0, 8.0, 8.0], "preprocess.shape": [24, 24, 24]}
     base.update(overrides)
     return make_params(**base)

@@ -147,7 +147,7 @@ def synthesize(params, raw: Path, root: Path) -> list[dict]:
     with atomic_path(raw) as tmp:
         tmp.mkdir()
         for i in tqdm(range(d.subjects), desc="prepare: synthesising MNI152 subjects", unit="subject"):
-            image, label, affine = synth_subject(i, params.seed, d.synth_spacing)
+            image, label, affine = synth_subject(i, d.seed, d.synth_spacing)
             if i % 2:
                 image, _ = to_lps(image, affine)
                 label, affine = to_lps(label, affine)

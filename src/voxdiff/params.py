@@ -107,6 +107,7 @@ def bool_list(key, v):
 SCHEMA: dict[str, dict[str, Check] | Check] = {
     "seed": integer(0),
     "data": {
+        "seed": integer(0),
         "source": text(allow_empty=False),
         "subjects": integer(2),
         "synth_spacing": number(0.5, 8.0),
@@ -171,6 +172,7 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
 # --- typed sections -------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Data:
+    seed: int
     source: str
     subjects: int
     synth_spacing: float

@@ -28,7 +28,7 @@ def run_prepare(params, root: str | Path) -> list[dict]:
                               f"(background, CSF, GM, WM) for data.source mni152, got {list(params.data.label_values)}")
         return builtin.synthesize(params, raw, root)
     subjects = sources.index_subjects(params, root)
-    sources.split_subjects([s["id"] for s in subjects], params.data.val_subjects, params.seed)  # fail early
+    sources.split_subjects([s["id"] for s in subjects], params.data.val_subjects, params.data.seed)  # fail early
     check_subjects(subjects, params, root)
     with atomic_path(raw) as tmp:
         tmp.mkdir()

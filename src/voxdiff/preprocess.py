@@ -177,7 +177,7 @@ def run_preprocess(params, root: str | Path) -> dict:
         raise ParamsError(f"params.yaml: data.label_values has {params.data.num_classes} values; "
                           "at most 256 fit the uint8 label cache")
     subjects = read_index(params, root)
-    split = sources.split_subjects([s["id"] for s in subjects], params.data.val_subjects, params.seed)
+    split = sources.split_subjects([s["id"] for s in subjects], params.data.val_subjects, params.data.seed)
     shape = (len(subjects), *params.preprocess.shape)
     with atomic_path(root / "data" / "processed") as tmp:
         tmp.mkdir()
