@@ -1,0 +1,425 @@
+"""Stage `evaluate`: sample with the EMA weights for the validation label maps and measure the result.
+
+Outputs (all written whole or not at all):
+  samples/<id>_s<k>.nii.gz   generated volumes on the subject's processed grid (DDIM), [-1, 1]
+  samples/<id>_a0.nii.gz     with evaluate.ancestral: the full ancestral (DDPM) sampler's volume
+  metrics/eval.json          eval_* metrics (the same names are logged into the training's MLflow run)
+  plots/eval/<id>.png        montage: label map, real volume, each sample x axial/coronal/sagittal
+
+Metrics (volumes in the cache's [-1, 1] scale; "brain" = label > 0):
+  eval_val_loss            the EMA model's loss on training's fixed validation draws (train.val_seed,
+                           train.val_draws): on the CPU it equals train.json's final_val_loss
+  eval_ssim / _psnr / _mae fidelity of each sample against its subject's real volume: PSNR and MAE over
+                           the brain; SSIM (MONAI SSIMMetric, 3D) with out-of-brain voxels set to -1 in both
+  eval_msssim_samples      diversity: MS-SSIM between samples of the same label map (needs
+                           samples_per_condition >= 2); 1 = identical, mode collapse
+  eval_msssim_real         the same between real volumes of different validation subjects, for scale
+                           (MONAI clips negative contrast-structure terms, so unrelated volumes give 0)
+  eval_w1_<class>          Wasserstein-1 between generated and real intensities inside each class
+  eval_mean_real_<class>, eval_mean_sample_<class>, eval_contrast_order_ok (1 when the samples' class
+                           means keep the real data's order, e.g. CSF < GM < WM on T1, each step with at
+                           least a fifth of the real contrast), eval_contrast_ratio (the smallest
+                           sample/real contrast ratio between neighbouring classes)
+  eval_seconds_per_volume, eval_peak_memory_mb (CUDA: peak allocated per volume; CPU: the process's
+                           peak RSS) and, with evaluate.ancestral, the same for one ancestral sample
+                           per subject plus eval_ssim_ancestral
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checkpoint, diffusion, sampling
+from .cache import ProcessedCache, open_cache
+from .errors import VoxdiffError
+from .fsutil import atomic_path, sha256_file, write_json
+from .params import Params
+
+DATA_RANGE = 2.0  # the cache's intensities span [-1, 1]
+MAX_MONTAGE_SAMPLES = 6
+MAX_REAL_PAIRS = 45  # real-real MS-SSIM pairs (all pairs of 10 subjects)
+BUILTIN_NAMES = ("background", "CSF", "GM", "WM")
+CONTRAST_MIN_FRACTION = 0.2  # see contrast_order
+
+
+def paths(root: Path) -> dict[str, Path]:
+    return {
+        "checkpoint": root / "models" / "checkpoint.pt",
+        "train_metrics": root / "metrics" / "train.json",
+        "cache": root / "data" / "processed",
+        "samples": root / "samples",
+        "metrics": root / "metrics" / "eval.json",
+        "plots": root / "plots" / "eval",
+    }
+
+
+def say(msg: str) -> None:
+    print(f"[voxdiff evaluate] {msg}", file=sys.stderr, flush=True)
+
+
+# --- metrics ------------------------------------------------------------------------------------------
+def _odd_at_most(n: int, cap: int = 11) -> int:
+    k = min(cap, n)
+    return k if k % 2 else k - 1
+
+
+def ssim_metric(shape):
+    """MONAI's 3D SSIM with the standard 11-voxel window (sigma 1.5), shrunk for grids under 11 voxels."""
+    from monai.metrics import SSIMMetric
+
+    k = max(1, _odd_at_most(min(shape)))
+    return SSIMMetric(spatial_dims=3, data_range=DATA_RANGE, win_size=k, kernel_sigma=1.5 * k / 11)
+
+
+def msssim_config(shape) -> tuple[int, int, tuple[float, ...]]:
+    """(scales, kernel size, weights) of MS-SSIM that fit a small grid.
+
+    The standard configuration (5 scales, 11-voxel window: MONAI's default) needs > 160 voxels per
+    axis; the demo grid is 32^3. MONAI's MultiScaleSSIMMetric takes any kernel size and weights, so we
+    keep MONAI's metric and choose: the most scales whose coarsest grid still holds a window of at
+    least 5 voxels (smaller windows make the local statistics too noisy), the largest odd window up
+    to 11 at that depth, sigma scaled with the window (1.5 at 11), and the first weights of the
+    standard set, renormalised to sum to 1 so values stay comparable across grid sizes.
+    32^3 -> 3 scales, window 7; 16^3 -> 2 scales, window 7; 64^3 -> 4 scales, window 7.
+    """
+    standard = (0.0448, 0.2856, 0.3001, 0.2363, 0.1333)
+    n = min(shape)
+    for levels in (5, 4, 3, 2):
+        # MONAI's own size check uses (levels - 1)^2; the coarsest grid must also hold the window.
+        k = _odd_at_most(min(n // max(1, (levels - 1) ** 2), n // 2 ** (levels - 1)))
+        if k >= 5:
+            w = standard[:levels]
+            return levels, k, tuple(x / sum(w) for x in w)
+    raise VoxdiffError(f"a {list(shape)} grid is too small for MS-SSIM (needs at least 10 voxels per axis)")
+
+
+def msssim_metric(shape):
+    from monai.metrics import MultiScaleSSIMMetric
+
+    _, k, weights = msssim_config(shape)
+    return MultiScaleSSIMMetric(spatial_dims=3, data_range=DATA_RANGE, kernel_size=k, kernel_sigma=1.5 * k / 11,
+                                weights=weights)
+
+
+def _vol(x: np.ndarray) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x, np.float32))[None, None]
+
+
+def masked(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:
+    return np.where(brain, volume, -1.0).astype(np.float32)
+
+
+def fidelity(sample: np.ndarray, real: np.ndarray, brain: np.ndarray, ssim) -> dict:
+    """SSIM (out-of-brain = -1 in both), PSNR and MAE over the brain, of one sample against the real volume."""
+    diff = (sample - real)[brain].astype(np.float64)
+    mse = float(np.mean(diff ** 2)) if diff.size else float("nan")
+    return {
+        "ssim": float(ssim(_vol(masked(sample, brain)), _vol(masked(real, brain))).mean()),
+        "psnr": 10 * math.log10(DATA_RANGE ** 2 / mse) if mse > 0 else float("inf"),
+        "mae": float(np.mean(np.abs(diff))) if diff.size else float("nan"),
+    }
+
+
+def pairwise_msssim(volumes: list[np.ndarray], metric, max_pairs: int | None = None) -> float | None:
+    pairs = list(itertools.combinations(range(len(volumes)), 2))[:max_pairs]
+    if not pairs:
+        return None
+    values = [float(metric(_vol(volumes[i]), _vol(volumes[j])).mean()) for i, j in pairs]
+    return float(np.mean(values))
+
+
+def contrast_ratio(real_means: dict[int, float], sample_means: dict[int, float]) -> float | None:
+    """Smallest (sample gap / real gap) over neighbouring foreground classes in the real data's order
+    (e.g. CSF->GM and GM->WM on T1): 1 = the real contrast, <= 0 = the order is broken."""
+    classes = sorted((c for c in real_means if c in sample_means), key=real_means.get)
+    ratios = [(sample_means[b] - sample_means[a]) / (real_means[b] - real_means[a])
+              for a, b in zip(classes, classes[1:]) if real_means[b] > real_means[a]]
+    return min(ratios) if ratios else None
+
+
+def contrast_order(real_means: dict[int, float], sample_means: dict[int, float]) -> bool:
+    """True when the samples' class means keep the real data's order, each step with at least
+    CONTRAST_MIN_FRACTION of the real contrast (a noise image keeps some order by chance, with gaps
+    near zero; that must not count)."""
+    ratio = contrast_ratio(real_means, sample_means)
+    return ratio is None or ratio >= CONTRAST_MIN_FRACTION
+
+
+def class_keys(params: Params, label_values: list[int]) -> tuple[list[str], list[str]]:
+    """(display names, metric-key names) of the classes: CSF/GM/WM for the built-in data, else label<value>."""
+    if params.data.builtin and len(label_values) == len(BUILTIN_NAMES):
+        return list(BUILTIN_NAMES), [n.lower() for n in BUILTIN_NAMES]
+    return [f"label {v}" for v in label_values], [f"label{v}" for v in label_values]
+
+
+# --- the stage ----------------------------------------------------------------------------------------
+def _writable(path: Path) -> None:
+    """Fail before sampling (minutes) rather than after: the output's folder must be creatable and writable."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise VoxdiffError(f"{path}: cannot create its folder ({e.strerror or type(e).__name__})") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise VoxdiffError(f"{path}: not writable")
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    try:
+        yield
+    except OSError as e:
+        raise VoxdiffError(f"{path}: cannot write ({e.strerror or type(e).__name__})") from None
+
+
+def check_compatible(state: dict, cache: ProcessedCache, ckpt_path: Path, rows: np.ndarray) -> None:
+    values = sampling.checkpoint_label_values(state, ckpt_path)
+    if values != list(cache.label_values):
+        raise VoxdiffError(f"{ckpt_path}: trained for label values {values}, but {cache.root} holds "
+                           f"{list(cache.label_values)}; rerun train")
+    shape = list(cache.images.shape[1:])
+    if list(state.get("shape", [])) != shape:
+        raise VoxdiffError(f"{ckpt_path}: trained on a {state.get('shape')} grid, but {cache.root} holds {shape}; "
+                           "rerun train")
+    labels_file = cache.root / "labels.npy"
+    if cache.labels.ndim != 4:
+        raise VoxdiffError(f"{labels_file}: expected [subjects, D, H, W] label maps, got {cache.labels.ndim - 1}D maps")
+    for r in rows:
+        top = int(np.max(cache.labels[r]))
+        if top >= cache.num_classes:
+            raise VoxdiffError(f"{labels_file}: subject {cache.subjects[r]['id']} holds class index {top}, "
+                               f"but there are {cache.num_classes} classes ({values}); rerun preprocess")
+
+
+def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
+    """Sample, measure, write samples/, metrics/eval.json, plots/eval/ and log into MLflow; returns the metrics."""
+    root = Path(root)
+    out = paths(root)
+    ev = params.evaluate
+    state = checkpoint.load(out["checkpoint"])
+    cache = open_cache(out["cache"])
+    val_rows = cache.split_indices("val")
+    if len(val_rows) == 0:
+        raise VoxdiffError(f"{out['cache'] / 'manifest.json'}: no validation subjects to evaluate on")
+    rows = val_rows[: ev.subjects] if ev.subjects else val_rows
+    check_compatible(state, cache, out["checkpoint"], rows)
+    for key in ("samples", "metrics", "plots"):
+        _writable(out[key])
+
+    from .distributed import Runtime, pick_device, pick_precision
+
+    device = pick_device(params.train.device)
+    net, _, diff_p = sampling.load_ema_network(state, device, source=out["checkpoint"], num_classes=cache.num_classes)
+    C = cache.num_classes
+    shape = tuple(cache.images.shape[1:])
+    names, keys = class_keys(params, list(cache.label_values))
+    interactive = sys.stderr.isatty() if progress is None else progress
+
+    # 1. The convergence signal of training, recomputed for the weights being evaluated.
+    from .model import build_inferer, build_scheduler
+
+    rt = Runtime(device, 0, 1, pick_precision(params.train.precision, device), False)
+    draws = diffusion.val_draws(params.train.val_seed, len(val_rows), params.train.val_draws, diff_p.timesteps,
+                                (1, *shape))
+    scheduler = build_scheduler(diff_p)
+    val_loss = diffusion.validation_loss(net, build_inferer(scheduler), scheduler, cache, val_rows, draws, diff_p,
+                                         device, rt.autocast)
+
+    # 2. Sampling.
+    K = ev.samples_per_condition
+    total = len(rows) * (K + (1 if ev.ancestral else 0))
+    say(f"{len(rows)} validation subjects x {K} samples, DDIM {min(ev.sampling_steps, diff_p.timesteps)} steps"
+        + (f", + 1 ancestral sample each ({diff_p.timesteps} steps)" if ev.ancestral else "")
+        + f" on {device}; EMA val loss {val_loss:.4f}")
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="volume", desc="evaluate", dynamic_ncols=True, disable=not interactive)
+    records, records_a = [], []
+    subjects = []
+    try:
+        for s, r in enumerate(rows):
+            label = np.asarray(cache.labels[r])
+            real = np.asarray(cache.images[r], np.float32)
+            cond = torch.from_numpy(label.astype(np.int64))[None].expand(K, *shape)
+            gen = sampling.generate(net, diff_p, cond, C, ev.sampling_steps, params.seed, "ddim",
+                                    progress=interactive, subject=s, sample_index=0, record=records)
+            bar.update(K)
+            entry = {"row": int(r), "id": cache.subjects[r]["id"], "label": label, "real": real,
+                     "samples": [g[0].numpy() for g in gen], "ancestral": None}
+            if ev.ancestral:  # starts from the same noise as DDIM sample 0: a paired comparison
+                a = sampling.generate(net, diff_p, cond[:1], C, ev.sampling_steps, params.seed, "ancestral",
+                                      progress=interactive, subject=s, sample_index=0, record=records_a)
+                entry["ancestral"] = a[0, 0].numpy()
+                bar.update(1)
+            subjects.append(entry)
+    finally:
+        bar.close()
+
+    metrics = measure(subjects, cache, val_rows, C, keys, shape)
+    metrics = {"eval_val_loss": val_loss, **metrics,
+               "eval_seconds_per_volume": float(np.mean([x["seconds"] for x in records])),
+               "eval_peak_memory_mb": float(max(x["peak_memory_mb"] for x in records)),
+               "eval_sampling_steps": records[0]["steps"], "eval_subjects": len(rows),
+               "eval_samples_per_condition": K, "eval_checkpoint_step": int(state.get("step", 0)),
+               "eval_checkpoint_samples_seen": int(state.get("samples_seen", 0))}
+    if ev.ancestral:
+        ssim = ssim_metric(shape)
+        metrics["eval_ssim_ancestral"] = float(np.mean([
+            fidelity(e["ancestral"], e["real"], e["label"] > 0, ssim)["ssim"] for e in subjects]))
+        metrics["eval_seconds_per_volume_ancestral"] = float(np.mean([x["seconds"] for x in records_a]))
+        metrics["eval_peak_memory_mb_ancestral"] = float(max(x["peak_memory_mb"] for x in records_a))
+        metrics["eval_ancestral_steps"] = records_a[0]["steps"]
+    metrics = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+
+    # 3. Outputs: each written whole, then MLflow.
+    write_samples(out["samples"], subjects, cache)
+    write_montages(out["plots"], subjects, names)
+    with _writing(out["metrics"]):
+        write_json(out["metrics"], metrics)
+    log_to_mlflow(params, root, out, state, metrics)
+    say(f"SSIM {_fmt(metrics['eval_ssim'], 3)}, PSNR {_fmt(metrics['eval_psnr'], 1)} dB, "
+        f"MAE {_fmt(metrics['eval_mae'], 3)}, contrast order {'kept' if metrics['eval_contrast_order_ok'] else 'NOT kept'}, "
+        f"{metrics['eval_seconds_per_volume']:.2f} s/volume -> {out['metrics']}")
+    return metrics
+
+
+def _fmt(value, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def measure(subjects: list[dict], cache: ProcessedCache, val_rows, C: int, keys: list[str], shape) -> dict:
+    from scipy.stats import wasserstein_distance
+
+    ssim = ssim_metric(shape)
+    fid = [fidelity(x, e["real"], e["label"] > 0, ssim) for e in subjects for x in e["samples"]]
+    for e, chunk in zip(subjects, np.array_split(np.arange(len(fid)), len(subjects))):
+        e["scores"] = [fid[i] for i in chunk]
+    m: dict = {f"eval_{k}": float(np.mean([f[k] for f in fid])) for k in ("ssim", "psnr", "mae")}
+
+    ms = msssim_metric(shape)
+    within = [pairwise_msssim([masked(x, e["label"] > 0) for x in e["samples"]], ms) for e in subjects]
+    within = [w for w in within if w is not None]
+    m["eval_msssim_samples"] = float(np.mean(within)) if within else None
+    reals = [masked(np.asarray(cache.images[r], np.float32), np.asarray(cache.labels[r]) > 0) for r in val_rows]
+    m["eval_msssim_real"] = pairwise_msssim(reals, ms, MAX_REAL_PAIRS)
+
+    # Tissue realism: intensity distributions and mean contrast per class, pooled over subjects.
+    real_means, sample_means = {}, {}
+    per_sample_ok = []
+    for c in range(C):
+        real_v = np.concatenate([e["real"][e["label"] == c] for e in subjects])
+        gen_v = np.concatenate([x[e["label"] == c] for e in subjects for x in e["samples"]])
+        if real_v.size == 0 or gen_v.size == 0:
+            continue
+        m[f"eval_w1_{keys[c]}"] = float(wasserstein_distance(real_v, gen_v))
+        if c > 0:
+            real_means[c], sample_means[c] = float(real_v.mean()), float(gen_v.mean())
+    for c in real_means:
+        m[f"eval_mean_real_{keys[c]}"] = real_means[c]
+        m[f"eval_mean_sample_{keys[c]}"] = sample_means[c]
+    m["eval_contrast_order_ok"] = int(contrast_order(real_means, sample_means))
+    m["eval_contrast_ratio"] = contrast_ratio(real_means, sample_means)
+    for e in subjects:
+        present = [c for c in real_means if (e["label"] == c).any()]
+        rm = {c: float(e["real"][e["label"] == c].mean()) for c in present}
+        for x in e["samples"]:
+            per_sample_ok.append(contrast_order(rm, {c: float(x[e["label"] == c].mean()) for c in present}))
+    m["eval_contrast_order_fraction"] = float(np.mean(per_sample_ok)) if per_sample_ok else None
+    return m
+
+
+def write_samples(path: Path, subjects: list[dict], cache: ProcessedCache) -> None:
+    import nibabel as nib
+
+    with _writing(path), atomic_path(path) as tmp:
+        tmp.mkdir()
+        for e in subjects:
+            affine = cache.affine(e["row"])
+            for k, x in enumerate(e["samples"]):
+                nib.save(nib.Nifti1Image(x.astype(np.float32), affine), tmp / f"{e['id']}_s{k}.nii.gz")
+            if e["ancestral"] is not None:
+                nib.save(nib.Nifti1Image(e["ancestral"].astype(np.float32), affine), tmp / f"{e['id']}_a0.nii.gz")
+
+
+def write_montages(path: Path, subjects: list[dict], class_names: list[str]) -> None:
+    with _writing(path), atomic_path(path) as tmp:
+        tmp.mkdir()
+        for e in subjects:
+            montage(tmp / f"{e['id']}.png", e, class_names)
+
+
+def montage(path: Path, e: dict, class_names: list[str]) -> None:
+    """Rows: label map, real volume, samples (DDIM, then ancestral); columns: axial, coronal, sagittal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    from .preprocess import mid_slices
+
+    rows = [("label map", e["label"]), ("real", e["real"])]
+    for k, x in enumerate(e["samples"][:MAX_MONTAGE_SAMPLES]):
+        sc = e["scores"][k]
+        rows.append((f"sample {k}  SSIM {sc['ssim']:.2f}  MAE {sc['mae']:.2f}", x))
+    if e["ancestral"] is not None:
+        rows.append(("ancestral sample", e["ancestral"]))
+    C = len(class_names)
+    palette = ["black"] + [plt.get_cmap("tab10").colors[(k - 1) % 10] for k in range(1, C)]
+    cmap = ListedColormap(palette)
+    fig, axes = plt.subplots(len(rows), 3, figsize=(7.5, 2.5 * len(rows) + 0.5), squeeze=False)
+    for i, (title, vol) in enumerate(rows):
+        is_label = i == 0
+        for j, (sl, view) in enumerate(zip(mid_slices(np.asarray(vol)), ("axial", "coronal", "sagittal"))):
+            ax = axes[i][j]
+            if is_label:
+                ax.imshow(sl, cmap=cmap, vmin=-0.5, vmax=C - 0.5, origin="lower", interpolation="nearest")
+            else:
+                ax.imshow(sl, cmap="gray", vmin=-1, vmax=1, origin="lower")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(view, fontsize=9)
+            if j == 0:
+                ax.set_ylabel(title, fontsize=8)
+    handles = [Patch(color=palette[k], label=class_names[k]) for k in range(1, C)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    fig.suptitle(f"{e['id']} (validation)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.5 / (2.5 * len(rows) + 0.5), 1, 1))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def log_to_mlflow(params: Params, root: Path, out: dict, state: dict, metrics: dict) -> None:
+    """Into the training's run (id from metrics/train.json, else the checkpoint); problems only warn."""
+    from .tracking import open_existing
+
+    run_id = ""
+    try:
+        run_id = json.loads(out["train_metrics"].read_text()).get("mlflow_run_id", "")
+    except (OSError, ValueError, AttributeError):
+        pass
+    run_id = run_id or state.get("mlflow_run_id", "")
+    if not run_id:
+        warnings.warn("no MLflow run id in metrics/train.json or the checkpoint; evaluation is not logged to MLflow")
+        return
+    tracker = open_existing(params, root, run_id)
+    if tracker is None:
+        return
+    values = {k: v for k, v in metrics.items() if v is not None}
+    tracker.log_summary(values, artifacts=[out["metrics"]],
+                        tags={"voxdiff.eval_checkpoint_sha256": sha256_file(out["checkpoint"])})
+    try:
+        tracker.client.log_artifacts(run_id, str(out["plots"]), artifact_path="eval")
+    except Exception as e:  # an artifact store problem must not fail the stage: eval.json is complete
+        warnings.warn(f"MLflow: could not log the evaluation montages ({type(e).__name__}: {str(e)[:200]})")

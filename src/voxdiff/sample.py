@@ -1,0 +1,148 @@
+"""`voxdiff sample`: generate an MRI volume for your own label map with a trained checkpoint.
+
+The label map goes through training's preprocessing (reorientation to RAS, nearest-neighbour
+resampling to the checkpoint's preprocess.spacing, crop/pad to preprocess.shape around the labelled
+region, label values -> class indices with the checkpoint's label_values); the generated volume is
+mapped back onto the label map's own grid (its affine and shape) and written as NIfTI.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import click
+
+DEFAULT_STEPS = 50
+
+
+def _user_errors(fn):
+    """voxdiff.cli.user_errors, looked up at call time: cli imports this module to register the command."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from .cli import user_errors
+
+        return user_errors(fn)(*args, **kwargs)
+
+    return wrapper
+
+
+def _nifti_suffix(path: Path) -> bool:
+    return path.name.endswith((".nii", ".nii.gz"))
+
+
+def _settings(params_path: Path | None):
+    """(default steps, default seed, device request) from params.yaml: the given file, else the project's
+    params.yaml when there is one, else built-in defaults. The network, diffusion schedule, preprocessing
+    and label values always come from the checkpoint."""
+    from .fsutil import repo_root
+    from .params import load
+
+    if params_path is None:
+        candidate = repo_root() / "params.yaml"
+        if not candidate.is_file():
+            return DEFAULT_STEPS, 0, "auto"
+        params_path = candidate
+    p = load(params_path)
+    return p.evaluate.sampling_steps, p.seed, p.train.device
+
+
+def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = None, seed: int | None = None,
+                     sampler: str = "ddim", params_path=None, progress: bool = True) -> dict:
+    """Generate for one label map and write `out_path`; returns a summary (seconds, shapes, steps)."""
+    import nibabel as nib
+    import numpy as np
+    import torch
+
+    from . import checkpoint, nifti, sampling
+    from .distributed import pick_device
+    from .errors import VoxdiffError
+    from .fsutil import atomic_path
+    from .preprocess import preprocess_label, to_original_grid
+
+    checkpoint_path, label_path, out_path = Path(checkpoint_path), Path(label_path), Path(out_path)
+    if not _nifti_suffix(out_path):
+        raise VoxdiffError(f"{out_path}: the output must be a NIfTI file name ending in .nii or .nii.gz")
+    if out_path.is_dir():
+        raise VoxdiffError(f"{out_path}: is a directory; give a file name ending in .nii.gz")
+    if sampler == "ancestral" and steps is not None:
+        raise VoxdiffError("--steps is for --sampler ddim; the ancestral sampler always runs all "
+                           "diffusion.timesteps steps of the checkpoint")
+    default_steps, default_seed, device_request = _settings(Path(params_path) if params_path else None)
+    steps = default_steps if steps is None else steps
+    seed = default_seed if seed is None else seed
+    try:  # fail now, not after the sampling
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise VoxdiffError(f"{out_path}: cannot create its folder ({e.strerror or type(e).__name__})") from None
+    if not os.access(out_path.parent, os.W_OK):
+        raise VoxdiffError(f"{out_path}: the folder is not writable")
+
+    state = checkpoint.load(checkpoint_path)
+    label_values = sampling.checkpoint_label_values(state, checkpoint_path)
+    prep = sampling.checkpoint_preprocess(state, checkpoint_path)
+    if list(state.get("shape", [])) != list(prep.shape):
+        raise VoxdiffError(f"{checkpoint_path}: its grid {state.get('shape')} disagrees with its preprocess.shape "
+                           f"{list(prep.shape)}; not a usable voxdiff checkpoint")
+    # preprocess_label reads data.label_values and the preprocess section: the checkpoint's, not params.yaml's.
+    view = SimpleNamespace(data=SimpleNamespace(label_values=label_values), preprocess=prep)
+    classes, processed_affine, provenance = preprocess_label(label_path, view)
+    device = pick_device(device_request)
+    net, _, diffusion = sampling.load_ema_network(state, device, source=checkpoint_path, num_classes=len(label_values))
+
+    record: list[dict] = []
+    labels = torch.from_numpy(np.asarray(classes, np.int64))[None]
+    generated = sampling.generate(net, diffusion, labels, len(label_values), steps, seed, sampler,
+                                  progress=progress, record=record)[0, 0].numpy()
+
+    original = nifti.open_header(label_path)  # the grid to return to (checked already, header only)
+    volume = to_original_grid(generated, processed_affine, original, order=1, cval=-1.0).astype(np.float32)
+    # The processed grid (preprocess.shape x spacing) may not hold the whole labelled region: say so.
+    covered = to_original_grid(np.ones(classes.shape, np.uint8), processed_affine, original, order=0) > 0
+    labelled = np.asarray(original.dataobj).reshape(original.shape[:3]) != label_values[0]
+    cropped = float((labelled & ~covered).sum() / max(1, labelled.sum()))
+    img = nib.Nifti1Image(volume, original.affine)
+    img.header.set_xyzt_units("mm", "sec")
+    try:
+        with atomic_path(out_path) as tmp:
+            nib.save(img, tmp)
+    except OSError as e:
+        raise VoxdiffError(f"{out_path}: cannot write ({e.strerror or type(e).__name__})") from None
+    return {"out": str(out_path), "shape": list(volume.shape), "orientation": provenance["original_orientation"],
+            "sampler": sampler, "steps": record[0]["steps"], "seed": seed, "seconds": record[0]["seconds"],
+            "peak_memory_mb": record[0]["peak_memory_mb"], "device": str(device), "cropped_fraction": cropped}
+
+
+@click.command("sample")
+@click.option("--checkpoint", "checkpoint_path", type=click.Path(path_type=Path),
+              default=Path("models/checkpoint.pt"), show_default=True, help="Trained checkpoint (its EMA weights are used).")
+@click.option("--label", "label_path", type=click.Path(path_type=Path), required=True,
+              help="Label map (NIfTI, 3D) with the label values the checkpoint was trained on.")
+@click.option("--out", "out_path", type=click.Path(path_type=Path), required=True,
+              help="Output NIfTI (.nii.gz): the generated volume on the label map's grid, intensities in [-1, 1].")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="DDIM steps (default: evaluate.sampling_steps of params.yaml, else 50).")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Seed (default: params.yaml's seed, else 0).")
+@click.option("--sampler", type=click.Choice(["ddim", "ancestral"]), default="ddim", show_default=True,
+              help="ddim (fast) or the full ancestral DDPM chain (diffusion.timesteps steps); both are seeded.")
+@click.option("--params", "params_path", type=click.Path(path_type=Path), default=None,
+              help="params.yaml for the defaults above and train.device (default: the project's, if any).")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
+@_user_errors
+def sample_command(checkpoint_path, label_path, out_path, steps, seed, sampler, params_path, progress):
+    """Generate an MRI volume for LABEL with a trained checkpoint and write it to OUT on the label
+    map's own grid. The model, noise schedule, preprocessing and label values come from the checkpoint."""
+    t0 = time.perf_counter()
+    interactive = sys.stderr.isatty() if progress is None else progress
+    s = sample_label_map(checkpoint_path, label_path, out_path, steps, seed, sampler, params_path, interactive)
+    if s["cropped_fraction"] > 0:
+        click.echo(f"warning: {label_path}: {100 * s['cropped_fraction']:.1f}% of the labelled voxels lie outside the "
+                   "checkpoint's preprocess.shape x spacing field of view; they are -1 in the output", err=True)
+    click.echo(f"[voxdiff sample] wrote {s['out']} ({'x'.join(map(str, s['shape']))}, {s['orientation']} grid of "
+               f"{label_path}); {s['sampler']} {s['steps']} steps, seed {s['seed']}, {s['seconds']:.1f} s sampling "
+               f"on {s['device']}, {time.perf_counter() - t0:.1f} s in all", err=True)

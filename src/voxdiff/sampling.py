@@ -1,0 +1,219 @@
+"""Sampling with a trained checkpoint's EMA weights: shared by `evaluate`, `sample` and the benchmarks.
+
+Two samplers, both through MONAI's DiffusionInferer.sample in "concat" mode (noisy image + one-hot label
+map, as in training):
+  ddim       DDIMScheduler, eta 0 (deterministic given the initial noise), `steps` strided steps
+  ancestral  DDPMScheduler, the full chain of diffusion.timesteps stochastic steps
+
+Seeding: volume k of subject s starts from noise drawn by a torch.Generator seeded from (seed, s, k);
+the ancestral sampler's per-step noise comes from torch's global RNG (MONAI's DDPMScheduler.step gets no
+generator from the inferer), so that RNG is seeded from the same words inside torch.random.fork_rng
+(the caller's RNG state is left untouched). Every volume is sampled on its own, so a volume does not
+depend on how many others are sampled with it: same checkpoint + seed -> identical volumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .errors import ParamsError, VoxdiffError
+from .params import SCHEMA, Diffusion, Model, Preprocess
+
+SAMPLERS = ("ddim", "ancestral")
+_NOISE, _STEPS = 0x5A3, 0xA7C  # stream tags: initial noise, ancestral per-step noise
+
+
+def _seed(*words: int) -> int:
+    """A 63-bit seed mixed from the words by numpy's SeedSequence (as diffusion._stream_seed)."""
+    return int(np.random.SeedSequence([int(w) for w in words]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def checkpoint_section(state: dict, section: str, cls, source) -> object:
+    """A typed params section (model, diffusion, preprocess) from the raw params a checkpoint stores,
+    checked with the same rules as params.yaml."""
+    raw = state.get("params")
+    if not isinstance(raw, dict) or not isinstance(raw.get(section), dict):
+        raise VoxdiffError(f"{source}: not a voxdiff training checkpoint (no params.{section} stored in it)")
+    spec = SCHEMA[section]
+    try:
+        missing = [k for k in spec if k not in raw[section]]
+        if missing:
+            raise ParamsError(f"missing {section}.{missing[0]}")
+        return cls(**{k: check(f"{section}.{k}", raw[section][k]) for k, check in spec.items()})
+    except ParamsError as e:
+        raise VoxdiffError(f"{source}: the stored training params are invalid ({str(e).removeprefix('params.yaml: ')})") from None
+
+
+def checkpoint_preprocess(state: dict, source="checkpoint") -> Preprocess:
+    return checkpoint_section(state, "preprocess", Preprocess, source)
+
+
+def check_training_checkpoint(state: dict, source="checkpoint") -> None:
+    """The keys sampling needs (EMA weights, class count, stored params), each problem one line naming `source`."""
+    if not isinstance(state, dict) or not isinstance(state.get("ema"), dict) or not state["ema"]:
+        raise VoxdiffError(f"{source}: not a voxdiff training checkpoint (no EMA weights in it)")
+    classes = state.get("num_classes")
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
+        raise VoxdiffError(f"{source}: num_classes {classes!r} is not a class count; not a voxdiff checkpoint")
+    for section in ("model", "diffusion", "preprocess"):
+        raw = state.get("params")
+        if not isinstance(raw, dict) or not isinstance(raw.get(section), dict):
+            raise VoxdiffError(f"{source}: not a voxdiff training checkpoint (no params.{section} stored in it)")
+
+
+def checkpoint_label_values(state: dict, source="checkpoint") -> list[int]:
+    check_training_checkpoint(state, source)
+    values = state.get("label_values")
+    if (not isinstance(values, (list, tuple)) or len(values) != state["num_classes"]
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)):
+        raise VoxdiffError(f"{source}: label_values {values!r} do not match num_classes "
+                           f"{state['num_classes']}; not a usable voxdiff checkpoint")
+    return [int(v) for v in values]
+
+
+def load_ema_network(ckpt_state: dict, device, source="checkpoint", num_classes: int | None = None):
+    """(network with the EMA weights in eval mode on `device`, Model params, Diffusion params).
+
+    The network is built from the checkpoint's own stored params (not params.yaml), so a checkpoint
+    keeps working after params.yaml changed. `num_classes`, when given, is what the caller's label maps
+    hold; a checkpoint trained for another number of classes is refused. Any mismatch raises a
+    one-line VoxdiffError naming `source` (the checkpoint file).
+    """
+    from .model import build_network
+
+    check_training_checkpoint(ckpt_state, source)
+    model = checkpoint_section(ckpt_state, "model", Model, source)
+    diffusion = checkpoint_section(ckpt_state, "diffusion", Diffusion, source)
+    classes = ckpt_state["num_classes"]
+    if num_classes is not None and num_classes != classes:
+        raise VoxdiffError(f"{source}: trained for {classes} label classes, but the label maps here have "
+                           f"{num_classes}; use a checkpoint trained on this data")
+    # Inference never needs activation checkpointing (it only trades memory in backward).
+    net = build_network(dataclasses.replace(model, activation_checkpointing=False), classes)
+    weights = {k[len("module."):]: v for k, v in ckpt_state["ema"].items() if k.startswith("module.")}
+    if not weights:
+        raise VoxdiffError(f"{source}: no EMA weights of a network in its EMA state (keys module.*)")
+    try:
+        net.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())
+        raise VoxdiffError(f"{source}: the EMA weights do not fit the stored model params and "
+                           f"num_classes={classes} ({detail[:160]}...)") from None
+    return net.to(device).eval(), model, diffusion
+
+
+def as_one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """[B, D, H, W] class indices (or [D, H, W]) or [B, C, D, H, W] one-hot -> [B, C, D, H, W] float."""
+    from .model import one_hot
+
+    labels = torch.as_tensor(labels)
+    if labels.dtype.is_floating_point and labels.ndim == 5:
+        if labels.shape[1] != num_classes:
+            raise VoxdiffError(f"one-hot label maps have {labels.shape[1]} channels, the network expects {num_classes}")
+        return labels.float()
+    if labels.ndim == 3:
+        labels = labels[None]
+    if labels.ndim != 4:
+        raise VoxdiffError(f"label maps must be [B, D, H, W] class indices or [B, C, D, H, W] one-hot, "
+                           f"got shape {tuple(labels.shape)}")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
+        raise VoxdiffError(f"label maps hold class indices {int(labels.min())}..{int(labels.max())}, "
+                           f"the network knows 0..{num_classes - 1}")
+    return one_hot(labels, num_classes)
+
+
+def make_scheduler(diffusion: Diffusion, sampler: str, steps: int):
+    from .model import build_ddim, build_scheduler
+
+    if sampler == "ddim":
+        return build_ddim(diffusion, steps)  # eta 0: DDIMScheduler.step's default, and the inferer's
+    if sampler == "ancestral":
+        return build_scheduler(diffusion)  # timesteps = the full training chain
+    raise VoxdiffError(f"sampler must be one of {', '.join(SAMPLERS)}, not {sampler!r}")
+
+
+def initial_noise(seed: int, subject: int, sample_index: int, shape: Sequence[int]) -> torch.Tensor:
+    """The starting noise [1, 1, *shape] of volume `sample_index` of `subject` (drawn on the CPU so that
+    CPU and CUDA start from the same numbers)."""
+    g = torch.Generator().manual_seed(_seed(seed, _NOISE, subject, sample_index))
+    return torch.randn((1, 1, *shape), generator=g)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak CUDA memory allocated since the last reset, or the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class _StepCounter:
+    """Calls the network and ticks a progress bar once per denoising step (the inferer owns the loop)."""
+
+    def __init__(self, net, bar):
+        self.net, self.bar = net, bar
+
+    def __call__(self, x, timesteps, context=None):
+        out = self.net(x, timesteps=timesteps, context=context)
+        if self.bar is not None:
+            self.bar.update(1)
+        return out
+
+
+@torch.no_grad()
+def generate(net, diffusion_params: Diffusion, labels_onehot_or_indices, num_classes: int, steps: int, seed: int,
+             sampler: str = "ddim", progress: bool = True, subject: int = 0, sample_index: int = 0,
+             record: list | None = None) -> torch.Tensor:
+    """Sample one volume per label map: returns [B, 1, D, H, W] float32 on the CPU, in [-1, 1].
+
+    Volume b is seeded by (seed, subject, sample_index + b). `steps` is the DDIM step count; the
+    ancestral sampler always runs all diffusion.timesteps steps. `record`, when a list, receives one
+    dict per volume: {"seconds", "peak_memory_mb", "steps", "sampler"}.
+    """
+    from .model import build_inferer
+
+    device = next(net.parameters()).device
+    condition = as_one_hot(labels_onehot_or_indices, num_classes)
+    shape = tuple(condition.shape[2:])
+    out = []
+    for b in range(condition.shape[0]):
+        k = sample_index + b
+        scheduler = make_scheduler(diffusion_params, sampler, steps)  # fresh: schedulers keep state
+        inferer = build_inferer(scheduler)
+        n_steps = len(scheduler.timesteps)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=n_steps, unit="step", leave=False, dynamic_ncols=True,
+                       desc=f"{sampler} subject {subject} sample {k}")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        devices = [device] if device.type == "cuda" else []
+        t0 = time.perf_counter()
+        try:
+            with torch.random.fork_rng(devices=devices):
+                if sampler == "ancestral":
+                    torch.manual_seed(_seed(seed, _STEPS, subject, k))
+                noise = initial_noise(seed, subject, k, shape).to(device)
+                volume = inferer.sample(input_noise=noise, diffusion_model=_StepCounter(net, bar),
+                                        scheduler=scheduler, conditioning=condition[b:b + 1].to(device),
+                                        mode="concat", verbose=False)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        finally:
+            if bar is not None:
+                bar.close()
+        seconds = time.perf_counter() - t0
+        out.append(volume.float().clamp(-1, 1).cpu())
+        if record is not None:
+            record.append({"seconds": seconds, "peak_memory_mb": peak_memory_mb(device), "steps": n_steps,
+                           "sampler": sampler})
+    return torch.cat(out)

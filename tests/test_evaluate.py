@@ -1,0 +1,393 @@
+"""Evaluation and sampling: metrics that separate a trained model from an untrained one, seeded samplers,
+outputs on disk and in MLflow, `voxdiff sample` on a user's LPS label map, one-line errors.
+
+One tiny model is trained once for the module (512 samples on the tiny cache, ~10-20 s) and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from conftest import TINY, make_params, raw_params, write_tiny_cache
+
+TRAIN = {"train.max_samples": 512, "train.batch_size": 4, "train.accumulate_every": 1,
+         "train.val_every": 64, "train.checkpoint_every": 1000}
+EVAL = {"evaluate.subjects": 0, "evaluate.samples_per_condition": 2, "evaluate.sampling_steps": 10,
+        "evaluate.ancestral": True}
+
+
+def _one_thread():
+    # Two OpenMP threads on the two shared cores stall whenever another process is busy (measured:
+    # a 16^3 forward pass 0.56 s with 2 threads vs 0.03 s with 1); one thread is fast either way.
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _threads(_quiet_threads):  # after conftest's fixture, which sets 2
+    _one_thread()
+
+
+def _env(mp: pytest.MonkeyPatch, root: Path) -> None:
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    for var in ("DVC_EXP_NAME", "DVC_ROOT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        mp.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(root, params, train summary) of a tiny model trained for 512 samples."""
+    root = tmp_path_factory.mktemp("trained")
+    write_tiny_cache(root)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**TINY, **TRAIN, **EVAL}), sort_keys=False))
+    params = make_params({**TRAIN, **EVAL})
+    _one_thread()
+    with pytest.MonkeyPatch.context() as mp:
+        _env(mp, root)
+        from voxdiff.train import run_training
+
+        summary = run_training(params, root, progress=False)
+    return root, params, summary
+
+
+@pytest.fixture
+def project(trained, monkeypatch):
+    root, params, summary = trained
+    _env(monkeypatch, root)
+    return root, params, summary
+
+
+def untrained_copy(root: Path, params, dest: Path) -> Path:
+    """The same project with the network's step-0 weights as EMA (the trainer's own initialisation)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    from voxdiff import checkpoint
+    from voxdiff.model import build_network
+
+    shutil.copytree(root / "data", dest / "data")
+    shutil.copy(root / "params.yaml", dest / "params.yaml")
+    state = checkpoint.load(root / "models" / "checkpoint.pt")
+    state.pop("format_version")
+    torch.manual_seed(params.seed)
+    state["ema"] = AveragedModel(build_network(params.model, state["num_classes"]), use_buffers=True).state_dict()
+    state["mlflow_run_id"] = ""
+    checkpoint.save(dest / "models" / "checkpoint.pt", state)
+    return dest
+
+
+def test_evaluate_writes_outputs_and_separates_trained_from_untrained(project, tmp_path):
+    from voxdiff.cache import open_cache
+    from voxdiff.evaluate import run_evaluate
+
+    root, params, summary = project
+    m = run_evaluate(params, root, progress=False)
+
+    # metrics/eval.json holds what was returned; the EMA val loss is training's, recomputed.
+    assert json.loads((root / "metrics" / "eval.json").read_text()) == m
+    assert m["eval_val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-6)
+    for key in ("eval_ssim", "eval_psnr", "eval_mae", "eval_msssim_samples", "eval_msssim_real",
+                "eval_contrast_order_ok", "eval_w1_label0", "eval_w1_label1", "eval_w1_label2",
+                "eval_seconds_per_volume", "eval_peak_memory_mb", "eval_ssim_ancestral",
+                "eval_seconds_per_volume_ancestral"):
+        assert m[key] is not None, key
+    assert m["eval_sampling_steps"] == 10 and m["eval_ancestral_steps"] == 50
+    assert 0 <= m["eval_msssim_samples"] < 0.99  # two samples of one label map differ
+
+    # NIfTI samples on each subject's processed grid; montages; nothing half-written left behind.
+    cache = open_cache(root / "data" / "processed")
+    ids = [cache.subjects[r]["id"] for r in cache.split_indices("val")]
+    assert sorted(p.name for p in (root / "samples").iterdir()) == sorted(
+        f"{i}_{s}.nii.gz" for i in ids for s in ("s0", "s1", "a0"))
+    img = nib.load(root / "samples" / f"{ids[0]}_s1.nii.gz")
+    assert img.shape == (16, 16, 16) and np.allclose(img.affine, cache.affine(int(cache.split_indices("val")[0])))
+    assert -1.0 <= img.get_fdata().min() and img.get_fdata().max() <= 1.0
+    import matplotlib.image
+
+    for i in ids:
+        png = matplotlib.image.imread(root / "plots" / "eval" / f"{i}.png")
+        assert png.shape[0] > png.shape[1] > 200  # 5 rows (label, real, 2 samples, ancestral) x 3 views
+    assert not [p.name for d in (root, root / "plots", root / "metrics") for p in d.glob(".*.tmp")]
+
+    # Logged into the training's MLflow run, montages included.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    run_id = summary["mlflow_run_id"]
+    logged = client.get_run(run_id).data.metrics
+    assert logged["eval_ssim"] == pytest.approx(m["eval_ssim"]) and logged["eval_val_loss"] == pytest.approx(m["eval_val_loss"])
+    assert {f"eval/{i}.png" for i in ids} <= {a.path for a in client.list_artifacts(run_id, "eval")}
+
+    # The step-0 network: same data, same sampler seeds. A missing MLflow run id only warns.
+    bare = untrained_copy(root, params, tmp_path / "untrained")
+    with pytest.warns(UserWarning, match="not logged to MLflow"):
+        u = run_evaluate(params, bare, progress=False)
+    assert m["eval_val_loss"] < 0.6 * u["eval_val_loss"]
+    assert m["eval_mae"] < 0.6 * u["eval_mae"]
+    assert m["eval_ssim"] > u["eval_ssim"] + 0.1
+    assert m["eval_psnr"] > u["eval_psnr"] + 3
+    assert m["eval_w1_label0"] < u["eval_w1_label0"] and m["eval_w1_label2"] < u["eval_w1_label2"]
+    # The tiny cache's contrast is label 1 (-0.2) < label 2 (0.6): the trained model keeps it with a
+    # clear gap; the untrained one outputs no class contrast at all (its means are within noise).
+    assert m["eval_contrast_order_ok"] == 1 and m["eval_contrast_ratio"] > 0.4
+    assert m["eval_mean_sample_label2"] - m["eval_mean_sample_label1"] > 0.3
+    assert abs(u["eval_mean_sample_label2"] - u["eval_mean_sample_label1"]) < 0.1
+    assert u["eval_contrast_order_ok"] == 0 and u["eval_contrast_ratio"] < 0.2
+
+
+def test_contrast_order_needs_a_real_gap():
+    from voxdiff.evaluate import contrast_order, contrast_ratio
+
+    real = {1: 0.40, 2: 0.65, 3: 0.84}  # CSF < GM < WM (MNI152 T1)
+    assert contrast_order(real, {1: 0.1, 2: 0.5, 3: 0.7}) and contrast_ratio(real, real) == pytest.approx(1)
+    assert not contrast_order(real, {1: 0.1, 2: 0.7, 3: 0.5})  # GM > WM
+    assert not contrast_order(real, {1: 0.010, 2: 0.011, 3: 0.012})  # right order, but noise-level gaps
+
+
+def test_sampler_is_seeded_and_independent_of_batching(project):
+    from voxdiff import checkpoint, sampling
+    from voxdiff.cache import open_cache
+
+    root, _, _ = project
+    state = checkpoint.load(root / "models" / "checkpoint.pt")
+    net, _, diff = sampling.load_ema_network(state, torch.device("cpu"))
+    cache = open_cache(root / "data" / "processed")
+    label = torch.from_numpy(np.asarray(cache.labels[int(cache.split_indices("val")[0])], np.int64))[None]
+
+    def ddim(seed, labels=label, k=0):
+        return sampling.generate(net, diff, labels, 3, 5, seed, "ddim", progress=False, subject=2, sample_index=k)
+
+    a = ddim(7)
+    assert a.shape == (1, 1, 16, 16, 16) and torch.equal(a, ddim(7))
+    assert (a - ddim(8)).abs().max() > 0.1
+    both = ddim(7, label.expand(2, -1, -1, -1))  # volume k of a batch is volume k sampled alone
+    assert torch.equal(both[0], a[0]) and torch.equal(both[1], ddim(7, k=1)[0])
+    assert not torch.equal(both[0], both[1])
+
+    rng = torch.get_rng_state()
+    record: list = []
+    x = sampling.generate(net, diff, label, 3, 5, 7, "ancestral", progress=False, record=record)
+    assert torch.equal(x, sampling.generate(net, diff, label, 3, 5, 7, "ancestral", progress=False))
+    assert (x - sampling.generate(net, diff, label, 3, 5, 8, "ancestral", progress=False)).abs().max() > 0.1
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's RNG is left as it was
+    assert record[0]["steps"] == 50 and record[0]["seconds"] > 0 and record[0]["peak_memory_mb"] > 0
+
+
+class Oracle(torch.nn.Module):
+    """Predicts the exact noise for x0 = a fixed intensity per class (read from the one-hot channels)."""
+
+    def __init__(self, alphas_cumprod, values):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # generate() takes the device from the parameters
+        self.alphas, self.values = alphas_cumprod, torch.tensor(values).view(1, -1, 1, 1, 1)
+
+    def forward(self, x, timesteps, context=None):
+        noisy, one_hot = x[:, :1], x[:, 1:]
+        x0 = (one_hot * self.values).sum(1, keepdim=True)
+        a = self.alphas[timesteps.long()].view(-1, 1, 1, 1, 1)
+        return (noisy - a.sqrt() * x0) / (1 - a).sqrt()
+
+
+def test_samplers_recover_the_image_with_a_perfect_denoiser():
+    """The wiring (concat order: noisy image first, then the one-hot map; the timesteps the network sees
+    match the scheduler's step; clipping) is right if a perfect noise predictor gives back x0."""
+    from voxdiff import sampling
+    from voxdiff.model import build_scheduler
+
+    diff = make_params().diffusion
+    values = [-1.0, -0.2, 0.6]
+    oracle = Oracle(build_scheduler(diff).alphas_cumprod, values)
+    labels = torch.zeros(1, 8, 8, 8, dtype=torch.long)
+    labels[:, 2:6, 2:6, 2:6], labels[:, 3:5, 3:5, 3:5] = 1, 2
+    want = torch.tensor(values)[labels][:, None]
+    for sampler in ("ddim", "ancestral"):
+        got = sampling.generate(oracle, diff, labels, 3, 7, 0, sampler, progress=False)
+        assert torch.allclose(got, want, atol=1e-4), sampler
+
+
+def test_incompatible_checkpoints_are_refused_in_one_line(project):
+    from voxdiff import checkpoint, sampling
+    from voxdiff.errors import VoxdiffError
+
+    root, _, _ = project
+    state = checkpoint.load(root / "models" / "checkpoint.pt")
+    cases = [
+        (dict(state, ema={}), {}, "no EMA weights"),
+        (state, {"num_classes": 5}, "trained for 3 label classes"),
+        (dict(state, num_classes=5), {}, "EMA weights do not fit"),
+        (dict(state, params={**state["params"], "model": {**state["params"]["model"], "channels": "x"}}), {},
+         "stored training params are invalid (model.channels"),
+        (dict(state, params={k: v for k, v in state["params"].items() if k != "diffusion"}), {}, "no params.diffusion"),
+    ]
+    for bad, kwargs, text in cases:
+        with pytest.raises(VoxdiffError) as e:
+            sampling.load_ema_network(bad, "cpu", source="models/x.pt", **kwargs)
+        assert str(e.value).startswith("models/x.pt: ") and text in str(e.value) and "\n" not in str(e.value)
+
+
+def test_msssim_fits_small_grids():
+    from voxdiff.evaluate import msssim_config, msssim_metric
+
+    assert msssim_config((32, 32, 32))[:2] == (3, 7) and msssim_config((16, 16, 16))[:2] == (2, 7)
+    assert msssim_config((128, 128, 128))[:2] == (5, 7) and sum(msssim_config((32,) * 3)[2]) == pytest.approx(1)
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(1, 1, 32, 32, 32, generator=g) * 2 - 1
+    metric = msssim_metric((32, 32, 32))
+    assert float(metric(a, a).mean()) == pytest.approx(1.0, abs=1e-4)
+    assert 0 <= float(metric(a, (a + 0.5 * torch.rand(a.shape, generator=g)).clamp(-1, 1)).mean()) < 0.99
+
+
+# --- voxdiff sample -----------------------------------------------------------------------------------
+def lps_label_map(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A label map stored LPS at 3 x 3.5 x 4 mm (the checkpoint works at 6 mm RAS): an ellipsoid of
+    class 1 in one corner of the volume holding an eccentric blob of class 2, so any flip would show."""
+    shape, zooms = np.array([34, 38, 30]), np.array([3.0, 3.5, 4.0])
+    ras = np.diag([*zooms, 1.0])
+    ras[:3, 3] = [-50.0, -70.0, -60.0]
+    world = np.stack(np.meshgrid(*[np.arange(n) for n in shape], indexing="ij"), -1) * zooms + ras[:3, 3]
+    centre = ras[:3, 3] + zooms * (shape - 1) / 2 + [22.0, 30.0, 28.0]
+    brain = (((world - centre) / [22.0, 28.0, 24.0]) ** 2).sum(-1) <= 1
+    labels = brain.astype(np.int16)
+    labels[brain & ((((world - centre - [10.0, 12.0, 8.0]) / 10.0) ** 2).sum(-1) <= 1)] = 2
+    flip = np.diag([-1.0, -1.0, 1.0, 1.0])  # voxel i -> n-1-i on the first two axes
+    flip[:2, 3] = shape[:2] - 1
+    lps_data, lps_affine = np.ascontiguousarray(labels[::-1, ::-1]), ras @ flip
+    nib.save(nib.Nifti1Image(lps_data, lps_affine), path)
+    return lps_data, lps_affine
+
+
+def run_cli(*args):
+    from voxdiff.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_sample_cli_maps_back_onto_an_lps_label_grid(project, tmp_path):
+    root, _, _ = project
+    labels, affine = lps_label_map(tmp_path / "label_lps.nii.gz")
+    assert nib.aff2axcodes(affine) == ("L", "P", "S")
+    ckpt = root / "models" / "checkpoint.pt"
+    out = tmp_path / "out" / "gen.nii.gz"
+    res = run_cli("sample", "--checkpoint", ckpt, "--label", tmp_path / "label_lps.nii.gz", "--out", out,
+                  "--sampler", "ancestral", "--seed", 1, "--params", root / "params.yaml", "--no-progress")
+    assert res.exit_code == 0, res.output
+    assert "wrote" in res.stderr and "LPS" in res.stderr and "warning" not in res.stderr
+    img = nib.load(out)
+    assert img.shape == labels.shape and np.allclose(img.affine, affine, atol=1e-5)
+    gen = img.get_fdata()
+    # The generated brain sits on the label's brain: bright inside, background dark, blob brightest.
+    means = [gen[labels == c].mean() for c in (0, 1, 2)]
+    assert means[0] < -0.7 and means[1] > means[0] + 0.4 and means[2] > means[1] + 0.3, means
+    brain = labels > 0
+    assert (gen[brain] > -0.5).mean() > 0.9
+
+    def contrast(mask):
+        return gen[mask].mean() - gen[~mask].mean()
+
+    # Misplaced by a flip of any axis, the same brain would not line up with the bright region.
+    for axis in range(3):
+        assert contrast(np.flip(brain, axis)) < contrast(brain) - 0.3, axis
+
+    # DDIM from the CLI: seeded, so the same seed gives the same file contents.
+    outs = [tmp_path / f"d{i}.nii" for i in range(2)]
+    for o in outs:
+        res = run_cli("sample", "--checkpoint", ckpt, "--label", tmp_path / "label_lps.nii.gz", "--out", o,
+                      "--steps", 3, "--seed", 5, "--params", root / "params.yaml")
+        assert res.exit_code == 0, res.output
+    assert np.array_equal(nib.load(outs[0]).get_fdata(), nib.load(outs[1]).get_fdata())
+
+    # A labelled region larger than the checkpoint's field of view (16 x 6 mm) is cropped, with a warning.
+    big = np.zeros((40, 40, 40), np.int16)
+    big[2:38, 2:38, 2:38] = 1  # 108 mm at 3 mm
+    nib.save(nib.Nifti1Image(big, np.diag([3.0, 3.0, 3.0, 1.0])), tmp_path / "big.nii.gz")
+    res = run_cli("sample", "--checkpoint", ckpt, "--label", tmp_path / "big.nii.gz", "--out", tmp_path / "big_out.nii.gz",
+                  "--steps", 2, "--params", root / "params.yaml")
+    assert res.exit_code == 0 and "% of the labelled voxels lie outside" in res.stderr, res.output
+
+
+def test_sample_cli_bad_inputs_exit_2_with_one_line(project, tmp_path):
+    from voxdiff import checkpoint
+
+    root, _, _ = project
+    ckpt = root / "models" / "checkpoint.pt"
+    good = tmp_path / "good.nii.gz"
+    lps_label_map(good)
+    vol = np.zeros((12, 12, 12), np.int16)
+    vol[3:9, 3:9, 3:9] = 1
+    bad_value = tmp_path / "seven.nii.gz"
+    nib.save(nib.Nifti1Image(np.where(vol > 0, 7, 0).astype(np.int16), np.eye(4)), bad_value)
+    four_d = tmp_path / "four_d.nii.gz"
+    nib.save(nib.Nifti1Image(np.stack([vol, vol], -1), np.eye(4)), four_d)
+    two_d = tmp_path / "two_d.nii.gz"
+    nib.save(nib.Nifti1Image(vol[:, :, 0], np.eye(4)), two_d)
+    state = checkpoint.load(ckpt)
+    state.pop("format_version")
+    wrong = tmp_path / "five_classes.pt"
+    checkpoint.save(wrong, {**state, "num_classes": 5, "label_values": [0, 1, 2, 3, 4]})
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"format_version": 1, "model": {}}, foreign)
+    (tmp_path / "afile").write_text("")
+
+    cases = [
+        ((ckpt, bad_value, tmp_path / "o.nii.gz"), str(bad_value), "label values 7 are not in"),
+        ((ckpt, four_d, tmp_path / "o.nii.gz"), str(four_d), "expected a 3D volume"),
+        ((ckpt, two_d, tmp_path / "o.nii.gz"), str(two_d), "expected a 3D volume"),
+        ((ckpt, tmp_path / "missing.nii.gz", tmp_path / "o.nii.gz"), "missing.nii.gz", "file not found"),
+        ((tmp_path / "none.pt", good, tmp_path / "o.nii.gz"), "none.pt", "checkpoint not found"),
+        ((wrong, good, tmp_path / "o.nii.gz"), str(wrong), "EMA weights do not fit"),
+        ((foreign, good, tmp_path / "o.nii.gz"), str(foreign), "no EMA weights"),
+        ((ckpt, good, tmp_path / "o.png"), "o.png", "must be a NIfTI"),
+        ((ckpt, good, tmp_path / "afile" / "o.nii.gz"), "o.nii.gz", "cannot create its folder"),
+    ]
+    for (c, label, out), where, text in cases:
+        res = run_cli("sample", "--checkpoint", c, "--label", label, "--out", out, "--steps", 2,
+                      "--params", root / "params.yaml")
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1, (text, res.output)
+        assert lines[0].startswith("error: ") and where in lines[0] and text in lines[0], lines[0]
+        assert not (tmp_path / "o.nii.gz").exists()
+    res = run_cli("sample", "--checkpoint", ckpt, "--label", good, "--out", tmp_path / "o.nii.gz",
+                  "--sampler", "ancestral", "--steps", 10)
+    assert res.exit_code == 2 and res.stderr.startswith("error: --steps is for --sampler ddim")
+
+
+def test_evaluate_bad_inputs_give_one_line_errors(project, tmp_path):
+    from voxdiff.evaluate import run_evaluate
+    from voxdiff.errors import VoxdiffError
+
+    root, params, _ = project
+
+    def copy(name, classes=3):
+        dest = tmp_path / name
+        write_tiny_cache(dest, classes=classes)
+        shutil.copy(root / "params.yaml", dest / "params.yaml")
+        (dest / "models").mkdir()
+        shutil.copy(root / "models" / "checkpoint.pt", dest / "models" / "checkpoint.pt")
+        return dest
+
+    with pytest.raises(VoxdiffError, match="checkpoint.pt: checkpoint not found"):
+        run_evaluate(params, tmp_path / "empty")
+    other = copy("four_classes", classes=4)
+    with pytest.raises(VoxdiffError, match=r"checkpoint.pt: trained for label values \[0, 1, 2\], but .* holds \[0, 1, 2, 3\]"):
+        run_evaluate(params, other)
+    unknown = copy("unknown_class")
+    labels = np.load(unknown / "data" / "processed" / "labels.npy")
+    labels[5, 0, 0, 0] = 9  # a validation subject
+    np.save(unknown / "data" / "processed" / "labels.npy", labels)
+    with pytest.raises(VoxdiffError, match="labels.npy: subject sub-005 holds class index 9"):
+        run_evaluate(params, unknown)
+    blocked = copy("blocked")
+    (blocked / "plots").write_text("a file where the plots folder goes")
+    with pytest.raises(VoxdiffError, match="eval: cannot create its folder"):
+        run_evaluate(params, blocked)
+
+    res = run_cli("evaluate", "--root", blocked)  # the same through the CLI: one line, exit 2
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert res.stderr.startswith("error: ") and "plots" in res.stderr
