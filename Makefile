@@ -28,7 +28,7 @@ $(STAMP): requirements.lock pyproject.toml
 demo: $(STAMP)
 	@test -d .git || (git init -q && git add -A && git commit -qm "voxdiff: initial" )
 	@start=$$(date +%s); $(BIN)/dvc repro; echo "pipeline: $$(( $$(date +%s) - start )) s"
-	@echo; echo "== metrics (dvc metrics show) =="; $(BIN)/dvc metrics show
+	@echo; echo "== metrics (all fields: dvc metrics show) =="; $(BIN)/voxdiff metrics
 	@echo; echo "Open MLflow:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db   (then http://127.0.0.1:5000)"
 	@echo "Try:         $(BIN)/dvc exp run -S train.accumulate_every=4   and   $(BIN)/voxdiff compare --out reports/compare.md"
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 E2E = {**TINY, "data.label_values": [0, 1, 2, 3], "data.subjects": 4, "data.synth_spacing": 4.0,
        "data.val_subjects": 1, "preprocess.spacing": [12.0, 12.0, 12.0], "evaluate.sampling_steps": 3,
-       "train.max_samples": 16}
+       "train.max_samples": 16, "train.batch_size": 1}
 
 
 def sh(repo: Path, *cmd: str, check: bool = True, env=None) -> subprocess.CompletedProcess:

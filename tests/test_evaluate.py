@@ -167,8 +167,9 @@ def test_sampler_is_seeded_and_independent_of_batching(project):
     a = ddim(7)
     assert a.shape == (1, 1, 16, 16, 16) and torch.equal(a, ddim(7))
     assert (a - ddim(8)).abs().max() > 0.1
-    both = ddim(7, label.expand(2, -1, -1, -1))  # volume k of a batch is volume k sampled alone
-    assert torch.equal(both[0], a[0]) and torch.equal(both[1], ddim(7, k=1)[0])
+    # Volume k of a batch is volume k sampled alone (up to the float rounding of another conv kernel).
+    both = ddim(7, label.expand(2, -1, -1, -1))
+    assert torch.allclose(both[0], a[0], atol=1e-3) and torch.allclose(both[1], ddim(7, k=1)[0], atol=1e-3)
     assert not torch.equal(both[0], both[1])
 
     rng = torch.get_rng_state()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -95,10 +94,10 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
 
 
 def test_changed_params_start_fresh(tmp_path):
-    root = project(tmp_path / "p", {"train.max_samples": 8})
+    root = project(tmp_path / "p", {"train.max_samples": 8, "train.batch_size": 1})
     first = subprocess.run(train_cmd(root), env=env_for(root), capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
-    (root / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**TINY, "train.max_samples": 8, "train.lr": 5.0e-4})))
+    (root / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**TINY, "train.max_samples": 8, "train.batch_size": 1, "train.lr": 5.0e-4})))
     second = subprocess.run(train_cmd(root), env=env_for(root), capture_output=True, text=True)
     assert second.returncode == 0
     assert "was made by other params or data" in second.stderr and "starting fresh" in second.stderr

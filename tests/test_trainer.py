@@ -11,7 +11,7 @@ from conftest import make_params
 from voxdiff import trainer as trainer_mod
 from voxdiff.cache import open_cache
 from voxdiff.distributed import init_runtime
-from voxdiff.schedule import Budget, ema_beta, lr_at, plan_budget, scaled_lr
+from voxdiff.schedule import ema_beta, lr_at, plan_budget, scaled_lr
 from voxdiff.trainer import Trainer
 
 

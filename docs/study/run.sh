@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The shipped CPU study (make study): accumulate_every 1/2/4/8 x seeds 0/1/2 at a fixed sample budget,
 # plus square-root LR scaling at accumulate_every 8 (seeds 0/1), on the built-in MNI152 data; then the reports.
-# About 35 minutes on 2 CPU cores. Rerun it from a clean checkout to reproduce docs/study/.
+# About 30 minutes on 2 CPU cores (micro-batch 2: on CPU, batch-1 3D convolutions take a slow path). Rerun it from a clean checkout to reproduce docs/study/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH"
 EXP=voxdiff-study
-COMMON=(-S train.max_samples=160 -S train.batch_size=1 -S evaluate.subjects=1 -S evaluate.samples_per_condition=1
-        -S "mlflow.experiment=$EXP")
+COMMON=(-S train.max_samples=384 -S train.batch_size=2 -S train.val_every=4 -S train.checkpoint_every=32
+        -S evaluate.subjects=1 -S evaluate.samples_per_condition=2 -S "mlflow.experiment=$EXP")
 
 git diff --quiet HEAD -- src stages dvc.yaml params.yaml || { echo "commit your changes first: queued runs use committed files" >&2; exit 1; }
 dvc repro preprocess

@@ -134,6 +134,55 @@ def evaluate(root, params_path):
     run_evaluate(params, root)
 
 
+SUMMARY_ROWS = (
+    ("train.json", "effective_batch_size", "effective batch (micro x accumulate x world)"),
+    ("train.json", "total_samples", "samples seen"),
+    ("train.json", "total_steps", "optimizer steps"),
+    ("train.json", "final_val_loss", "val loss (EMA, fixed draws)"),
+    ("train.json", "best_val_loss", "best val loss"),
+    ("train.json", "final_train_loss", "train loss (last 10% of steps)"),
+    ("train.json", "gns", "gradient noise scale B_simple"),
+    ("train.json", "samples_per_s", "training samples/s"),
+    ("train.json", "total_wall_time", "training wall time (s)"),
+    ("train.json", "peak_memory_mb", "peak memory (MB)"),
+    ("eval.json", "eval_ssim", "SSIM to the real volume (brain)"),
+    ("eval.json", "eval_psnr", "PSNR (dB, brain)"),
+    ("eval.json", "eval_mae", "MAE (brain)"),
+    ("eval.json", "eval_msssim_samples", "MS-SSIM between samples (diversity)"),
+    ("eval.json", "eval_msssim_real", "MS-SSIM between real volumes"),
+    ("eval.json", "eval_contrast_order_ok", "tissue contrast order kept (1/0)"),
+    ("eval.json", "eval_seconds_per_volume", "sampling s/volume"),
+)
+
+
+@main.command()
+@_root_option
+def metrics(root):
+    """Print the main figures of the last run (metrics/train.json and metrics/eval.json); `dvc metrics
+    show` lists every field, `dvc exp show` compares experiments."""
+    import json
+
+    from .fsutil import repo_root
+
+    root = (root or repo_root()).resolve()
+    loaded = {}
+    for name in ("train.json", "eval.json"):
+        path = root / "metrics" / name
+        loaded[name] = json.loads(path.read_text()) if path.is_file() else {}
+    if not any(loaded.values()):
+        click.echo("no metrics yet: run `dvc repro`", err=True)
+        sys.exit(1)
+    for name, key, label in SUMMARY_ROWS:
+        value = loaded[name].get(key)
+        if value is None or value == "":
+            continue
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        click.echo(f"  {label:<45} {shown}")
+    note = loaded["train.json"].get("gns_note")
+    if note:
+        click.echo(f"  ({note})")
+
+
 def _register_optional() -> None:
     """Commands that live in their own modules."""
     try:

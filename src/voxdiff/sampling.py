@@ -175,45 +175,55 @@ def generate(net, diffusion_params: Diffusion, labels_onehot_or_indices, num_cla
     Volume b is seeded by (seed, subject, sample_index + b). `steps` is the DDIM step count; the
     ancestral sampler always runs all diffusion.timesteps steps. `record`, when a list, receives one
     dict per volume: {"seconds", "peak_memory_mb", "steps", "sampler"}.
+
+    DDIM (eta 0) is deterministic given its starting noise, so the whole batch runs in one network
+    call per step: on the CPU a batch of 2 is ~3x faster per volume than 2 batches of 1 (PyTorch picks
+    a slow convolution path for small batch-1 3D inputs). The ancestral sampler draws fresh noise from
+    the global RNG at every step, so it runs volume by volume to keep each volume's draws its own.
     """
+    condition = as_one_hot(labels_onehot_or_indices, num_classes)
+    groups = [list(range(condition.shape[0]))] if sampler == "ddim" else [[b] for b in range(condition.shape[0])]
+    out = [_sample_group(net, diffusion_params, condition, group, steps, seed, sampler, progress, subject,
+                         sample_index, record) for group in groups]
+    return torch.cat(out)
+
+
+def _sample_group(net, diffusion_params, condition, group, steps, seed, sampler, progress, subject, sample_index,
+                  record):
     from .model import build_inferer
 
     device = next(net.parameters()).device
-    condition = as_one_hot(labels_onehot_or_indices, num_classes)
     shape = tuple(condition.shape[2:])
-    out = []
-    for b in range(condition.shape[0]):
-        k = sample_index + b
-        scheduler = make_scheduler(diffusion_params, sampler, steps)  # fresh: schedulers keep state
-        inferer = build_inferer(scheduler)
-        n_steps = len(scheduler.timesteps)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+    ks = [sample_index + b for b in group]
+    scheduler = make_scheduler(diffusion_params, sampler, steps)  # fresh: schedulers keep state
+    inferer = build_inferer(scheduler)
+    n_steps = len(scheduler.timesteps)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
 
-            bar = tqdm(total=n_steps, unit="step", leave=False, dynamic_ncols=True,
-                       desc=f"{sampler} subject {subject} sample {k}")
+        bar = tqdm(total=n_steps, unit="step", leave=False, dynamic_ncols=True,
+                   desc=f"{sampler} subject {subject} sample{'s' if len(ks) > 1 else ''} {','.join(map(str, ks))}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    devices = [device] if device.type == "cuda" else []
+    t0 = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            if sampler == "ancestral":
+                torch.manual_seed(_seed(seed, _STEPS, subject, ks[0]))
+            noise = torch.cat([initial_noise(seed, subject, k, shape) for k in ks]).to(device)
+            volume = inferer.sample(input_noise=noise, diffusion_model=_StepCounter(net, bar),
+                                    scheduler=scheduler, conditioning=condition[group].to(device),
+                                    mode="concat", verbose=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        devices = [device] if device.type == "cuda" else []
-        t0 = time.perf_counter()
-        try:
-            with torch.random.fork_rng(devices=devices):
-                if sampler == "ancestral":
-                    torch.manual_seed(_seed(seed, _STEPS, subject, k))
-                noise = initial_noise(seed, subject, k, shape).to(device)
-                volume = inferer.sample(input_noise=noise, diffusion_model=_StepCounter(net, bar),
-                                        scheduler=scheduler, conditioning=condition[b:b + 1].to(device),
-                                        mode="concat", verbose=False)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        finally:
-            if bar is not None:
-                bar.close()
-        seconds = time.perf_counter() - t0
-        out.append(volume.float().clamp(-1, 1).cpu())
-        if record is not None:
-            record.append({"seconds": seconds, "peak_memory_mb": peak_memory_mb(device), "steps": n_steps,
-                           "sampler": sampler})
-    return torch.cat(out)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = (time.perf_counter() - t0) / len(group)
+    if record is not None:
+        record.extend({"seconds": seconds, "peak_memory_mb": peak_memory_mb(device), "steps": n_steps,
+                       "sampler": sampler} for _ in group)
+    return volume.float().clamp(-1, 1).cpu()

@@ -114,7 +114,8 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
                 {k: v for k, v in summary.items() if k.startswith(("final_", "total_", "effective_", "peak_"))},
                 artifacts=[out["metrics"], out["plot"], root / "params.yaml",
                            root / "data" / "processed" / "preview.png"],
-                tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"]})
+                tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"],
+                      "voxdiff.checkpoint_path": str(out["checkpoint"].relative_to(root))})
             tracker.finish()
         say(rt, f"done: val_loss {summary['final_val_loss']:.4f}, {summary['total_samples']} samples in "
                 f"{summary['total_wall_time']:.0f} s ({summary['samples_per_s']:.2f} samples/s)")
@@ -125,7 +126,6 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker) -> dict:
     from .fsutil import sha256_file
 
     c, b = trainer.counters, trainer.budget
-    last = c.history[-1]
     val = [h for h in c.history if h["val_loss"] is not None]
     window_means = [h["train_loss"] for h in c.history[-max(1, len(c.history) // 10):]]
     return {

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import math
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -19,12 +20,11 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from tqdm.auto import tqdm
 
-from . import checkpoint, diffusion, gns
-from .cache import ProcessedCache, open_cache
-from .distributed import Runtime, all_reduce_sum, init_runtime
-from .errors import TrainingDiverged, VoxdiffError
+from . import diffusion, gns
+from .cache import ProcessedCache
+from .distributed import Runtime, all_reduce_sum
+from .errors import TrainingDiverged
 from .model import build_inferer, build_network, build_scheduler, enable_activation_checkpointing
 from .params import Params
 from .schedule import Budget, ema_beta, lr_at, plan_budget
@@ -85,7 +85,6 @@ class Trainer:
         raw = dict(self.p.raw)
         raw["train"] = {k: v for k, v in raw["train"].items() if k not in ("checkpoint_every", "device")}
         blob = {k: raw[k] for k in ("seed", "data", "preprocess", "model", "diffusion", "train")}
-        import hashlib, json
         blob["_data"] = self.cache.fingerprint
         blob["_world_size"] = self.rt.world_size
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
