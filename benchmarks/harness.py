@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -274,16 +273,10 @@ def run_worker(job: dict, timeout: float = 900) -> dict:
 
 
 def peak_rss_mb() -> float:
-    """Peak RSS of this process image: ru_maxrss as a fresh process would report it.
+    """Peak RSS of this process image (VmHWM, not the execve-inherited ru_maxrss)."""
+    from voxdiff.distributed import peak_memory_mb
 
-    Linux carries ru_maxrss across execve, so a worker spawned by the (large) benchmark process would
-    start at the parent's peak; VmHWM belongs to the exec'd image alone."""
-    import resource
-
-    with contextlib.suppress(OSError, StopIteration):
-        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
-        return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_memory_mb(None)
 
 
 def worker_main(job: dict) -> None:

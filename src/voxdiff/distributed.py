@@ -73,6 +73,25 @@ def all_reduce_sum(values: list[float], rt: Runtime) -> list[float]:
     return t.tolist()
 
 
+def peak_memory_mb(device: torch.device | None = None) -> float:
+    """Peak CUDA memory allocated (since the last reset), or this process's peak RSS on the CPU.
+
+    On the CPU we read VmHWM rather than ru_maxrss: Linux carries ru_maxrss across execve, so a stage
+    started by a large parent (dvc, pytest) would report the parent's peak as its own.
+    """
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .distributed import peak_memory_mb
 from .errors import ParamsError, VoxdiffError
 from .params import SCHEMA, Diffusion, Model, Preprocess
 
@@ -142,15 +143,6 @@ def initial_noise(seed: int, subject: int, sample_index: int, shape: Sequence[in
     CPU and CUDA start from the same numbers)."""
     g = torch.Generator().manual_seed(_seed(seed, _NOISE, subject, sample_index))
     return torch.randn((1, 1, *shape), generator=g)
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak CUDA memory allocated since the last reset, or the process's peak RSS on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 class _StepCounter:

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import resource
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from . import diffusion, gns
 from .cache import ProcessedCache
-from .distributed import Runtime, all_reduce_sum
+from .distributed import Runtime, all_reduce_sum, peak_memory_mb
 from .errors import TrainingDiverged
 from .model import build_inferer, build_network, build_scheduler, enable_activation_checkpointing
 from .params import Params
@@ -235,12 +234,6 @@ class GradProbe:
         sq = float(sum(float(n) ** 2 for n in torch._foreach_norm(diff)))
         self.sq_norms.append(sq / loss_factor ** 2)
         self.before = [g.clone() for g in now]
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def due(step: int, every: int, last: int) -> bool:
