@@ -43,6 +43,11 @@ class ProcessedCache:
         """Row indices of the cache in the given split ("train" or "val"), in manifest order."""
         return np.array([s["index"] for s in self.subjects if s["split"] == split], dtype=np.int64)
 
+    def stack(self, rows) -> tuple[np.ndarray, np.ndarray]:
+        """Images [B, 1, D, H, W] float32 and class labels [B, D, H, W] of the given cache rows."""
+        rows = [int(r) for r in rows]
+        return np.stack([self.images[r] for r in rows])[:, None], np.stack([self.labels[r] for r in rows])
+
     def affine(self, index: int) -> np.ndarray:
         return np.asarray(self.subjects[index]["affine"], dtype=np.float64)
 

@@ -16,14 +16,14 @@ import torch
 from .model import one_hot
 
 
-def _stream_seed(*words: int) -> int:
+def stream_seed(*words: int) -> int:
     """A 63-bit seed for one independent random stream, mixed by numpy's SeedSequence."""
     return int(np.random.SeedSequence(list(words)).generate_state(1, np.uint64)[0] >> 1)
 
 
 @functools.lru_cache(maxsize=4)
 def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
-    return np.random.default_rng(_stream_seed(seed, 0x5EED, epoch)).permutation(n)
+    return np.random.default_rng(stream_seed(seed, 0x5EED, epoch)).permutation(n)
 
 
 def subject_for(seed: int, index: int, n: int) -> int:
@@ -35,7 +35,7 @@ def subject_for(seed: int, index: int, n: int) -> int:
 def draw(seed: int, index: int, timesteps: int, shape: tuple[int, ...]) -> tuple[int, torch.Tensor]:
     """(timestep, noise) of global sample `index`; noise has `shape` and is drawn on the CPU so that
     CPU and CUDA runs see the same numbers."""
-    g = torch.Generator().manual_seed(_stream_seed(seed, index))
+    g = torch.Generator().manual_seed(stream_seed(seed, index))
     t = int(torch.randint(0, timesteps, (1,), generator=g))
     return t, torch.randn(shape, generator=g)
 
@@ -52,7 +52,7 @@ def val_draws(val_seed: int, n_subjects: int, per_subject: int, timesteps: int, 
         for j in range(per_subject):
             stratum = j * n_subjects + s
             t = min(timesteps - 1, int((stratum + 0.5) * timesteps / n))
-            g = torch.Generator().manual_seed(_stream_seed(val_seed, 0x7A1, stratum))
+            g = torch.Generator().manual_seed(stream_seed(val_seed, 0x7A1, stratum))
             out.append((s, t, torch.randn(shape, generator=g)))
     return out
 
@@ -84,8 +84,7 @@ def validation_loss(net, inferer, scheduler, cache, val_rows, draws, diffusion_p
     for i in range(0, len(draws), chunk):
         part = draws[i:i + chunk]
         rows = [int(val_rows[s]) for s, _, _ in part]
-        images = torch.from_numpy(np.stack([cache.images[r] for r in rows]))[:, None].to(device)
-        labels = torch.from_numpy(np.stack([cache.labels[r] for r in rows])).to(device)
+        images, labels = (torch.from_numpy(a).to(device) for a in cache.stack(rows))
         t = torch.tensor([d[1] for d in part], device=device, dtype=torch.long)
         noise = torch.stack([d[2] for d in part]).to(device)
         with autocast():

@@ -7,8 +7,6 @@ from params.yaml is an error, so the file stays the single source of truth.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from pathlib import Path
 from typing import Any, Callable
@@ -267,11 +265,6 @@ class Params:
     def flat(self) -> dict[str, Any]:
         """Every key with a dotted name (`train.accumulate_every`), as MLflow params."""
         return flatten(self.raw)
-
-    def fingerprint(self, *sections: str) -> str:
-        """sha256 of the named sections (all when none): what a checkpoint was trained with."""
-        chosen = {k: self.raw[k] for k in (sections or self.raw)}
-        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
 
 _SECTIONS = {"data": Data, "preprocess": Preprocess, "model": Model, "diffusion": Diffusion,

@@ -18,20 +18,15 @@ import dataclasses
 import time
 from typing import Sequence
 
-import numpy as np
 import torch
 
+from .diffusion import stream_seed
 from .distributed import peak_memory_mb
 from .errors import ParamsError, VoxdiffError
 from .params import SCHEMA, Diffusion, Model, Preprocess
 
 SAMPLERS = ("ddim", "ancestral")
 _NOISE, _STEPS = 0x5A3, 0xA7C  # stream tags: initial noise, ancestral per-step noise
-
-
-def _seed(*words: int) -> int:
-    """A 63-bit seed mixed from the words by numpy's SeedSequence (as diffusion._stream_seed)."""
-    return int(np.random.SeedSequence([int(w) for w in words]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def checkpoint_section(state: dict, section: str, cls, source) -> object:
@@ -141,7 +136,7 @@ def make_scheduler(diffusion: Diffusion, sampler: str, steps: int):
 def initial_noise(seed: int, subject: int, sample_index: int, shape: Sequence[int]) -> torch.Tensor:
     """The starting noise [1, 1, *shape] of volume `sample_index` of `subject` (drawn on the CPU so that
     CPU and CUDA start from the same numbers)."""
-    g = torch.Generator().manual_seed(_seed(seed, _NOISE, subject, sample_index))
+    g = torch.Generator().manual_seed(stream_seed(seed, _NOISE, subject, sample_index))
     return torch.randn((1, 1, *shape), generator=g)
 
 
@@ -204,7 +199,7 @@ def _sample_group(net, diffusion_params, condition, group, steps, seed, sampler,
     try:
         with torch.random.fork_rng(devices=devices):
             if sampler == "ancestral":
-                torch.manual_seed(_seed(seed, _STEPS, subject, ks[0]))
+                torch.manual_seed(stream_seed(seed, _STEPS, subject, ks[0]))
             noise = torch.cat([initial_noise(seed, subject, k, shape) for k in ks]).to(device)
             volume = inferer.sample(input_noise=noise, diffusion_model=_StepCounter(net, bar),
                                     scheduler=scheduler, conditioning=condition[group].to(device),

@@ -15,7 +15,6 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -95,8 +94,7 @@ class Trainer:
         rows = [int(self.train_rows[diffusion.subject_for(self.p.seed, i, n)]) for i in indices]
         draws = [diffusion.draw(self.p.seed, i, self.p.diffusion.timesteps, (1, *self.shape)) for i in indices]
         dev = self.rt.device
-        images = torch.from_numpy(np.stack([self.cache.images[r] for r in rows]))[:, None].to(dev)
-        labels = torch.from_numpy(np.stack([self.cache.labels[r] for r in rows])).to(dev)
+        images, labels = (torch.from_numpy(a).to(dev) for a in self.cache.stack(rows))
         t = torch.tensor([d[0] for d in draws], device=dev, dtype=torch.long)
         noise = torch.stack([d[1] for d in draws]).to(dev)
         return images, labels, t, noise
