@@ -26,7 +26,8 @@ TINY = {
     "train.max_steps": 0,
     "train.lr": 1.0e-3,
     "train.warmup_samples": 0,
-    "train.val_every": 2,
+    "train.precision": "fp32",  # exactness tests compare trajectories bit for bit or to 1e-5; bf16 has its own tests
+    "train.val_every_samples": 2,
     "train.val_draws": 2,
     "train.checkpoint_every": 2,
     "evaluate.sampling_steps": 5,
@@ -59,7 +60,7 @@ def write_tiny_cache(root: Path, n_train: int = 4, n_val: int = 2, shape=(16, 16
     """A preprocessed cache in the cache.py format: smooth blobs whose intensity follows the class."""
     from scipy.ndimage import gaussian_filter
 
-    from voxdiff.cache import FORMAT_VERSION
+    from voxdiff.data.cache import FORMAT_VERSION
 
     rng = np.random.default_rng(seed)
     n = n_train + n_val

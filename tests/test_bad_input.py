@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from datagen import leftovers, phantom, ras_affine, user_params, write_dataset, write_nifti
-from voxdiff import nifti, prepare, preprocess
+from voxdiff.data import nifti
+from voxdiff.data import prepare
+from voxdiff.data import preprocess
 from voxdiff.errors import DataError, ParamsError
 
 

@@ -13,9 +13,9 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
 from voxdiff import params as params_mod
-from voxdiff.compare import compare_command, compare_runs
+from voxdiff.report.compare import compare_command, compare_runs
 from voxdiff.errors import VoxdiffError
-from voxdiff.tracking_uri import resolve_tracking_uri
+from voxdiff.tracking.uri import resolve_tracking_uri
 
 SAMPLES, VAL_EVERY_SAMPLES, MICRO = 256, 8, 1
 # Val-loss floors per accumulate_every, one per seed (final = floor + 0.9 exp(-256 / 40k): +0.0015 at
@@ -87,10 +87,19 @@ def table_row(report: str, key: str) -> list[str]:
 
 
 def expected_to_target(floors: dict[int, list[float]]):
-    """Independent steps/samples to reach the default target (highest of all runs' best val loss)."""
+    """Independent steps to reach the default target (highest of all runs' best val loss), linearly
+    interpolated between the validations around the first crossing."""
     curves = {k: [val_curve(k, f) for f in fl] for k, fl in floors.items()}
     target = max(min(v for _, v in c) for cs in curves.values() for c in cs)
-    steps = {k: [next(s for s, v in c if v <= target) for c in cs] for k, cs in curves.items()}
+
+    def crossing(c):
+        i = next(j for j, (_, v) in enumerate(c) if v <= target)
+        if i == 0:
+            return float(c[0][0])
+        (s0, v0), (s1, v1) = c[i - 1], c[i]
+        return s0 + (v0 - target) / (v0 - v1) * (s1 - s0)
+
+    steps = {k: [crossing(c) for c in cs] for k, cs in curves.items()}
     return target, steps
 
 
@@ -111,7 +120,7 @@ def test_report_numbers_match_independent_computation(store, tmp_path):
         samples = [s * k * MICRO for s in steps[k]]
         assert row[8] == f"{statistics.mean(samples):.0f} ± {statistics.stdev(samples):.0f}"
         group = next(g for g in result.groups if g.key == str(k))
-        assert group.steps_to_target == steps[k]
+        assert group.steps_to_target == pytest.approx(steps[k])
     assert "| train.accumulate_every=1 | 0.6 ± 0.1 |" in report  # eval_ssim of seeds 0.5, 0.6, 0.7
 
 
@@ -215,3 +224,31 @@ def test_resolve_tracking_uri_rule(tmp_path, monkeypatch):
     assert resolve_tracking_uri(server, tmp_path) == "http://host:5000"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:1")
     assert resolve_tracking_uri(server, tmp_path) == "http://env:1"
+
+
+def test_welch_and_holm_replace_two_standard_errors():
+    """3 seeds a side, difference 0.2, spreads 0.1: the old 2 x pooled-SE rule (0.163) called this
+    clearly different; Welch's t-test (df 4) gives p ~ 0.07, within seed noise."""
+    from voxdiff.report.compare import compare_means, holm
+
+    kind, diff, p = compare_means([1.2, 1.3, 1.4], [1.0, 1.1, 1.2])
+    assert kind == "tested" and diff == pytest.approx(0.2) and 0.05 < p < 0.1
+    kind, _, p = compare_means([1.25, 1.35, 1.45], [1.0, 1.1, 1.2])
+    assert p < 0.05
+    assert compare_means([1.0], [1.0, 2.0])[0] == "unreplicated"
+    assert holm([0.01, 0.04, 0.03, None]) == pytest.approx([0.03, 0.06, 0.06, None])
+    assert holm([0.5]) == [0.5]
+
+
+def test_target_crossing_is_interpolated_between_validations():
+    import numpy as np
+
+    from voxdiff.report.compare import RunData
+
+    r = RunData("r", {}, {}, {}, val_steps=np.array([1.0, 2.0, 4.0]), val_loss=np.array([1.0, 0.6, 0.2]),
+                val_samples=np.array([8.0, 16.0, 32.0]), val_wall=np.array([1.0, 2.0, np.nan]),
+                gns_samples=np.array([]), gns=np.array([]), peak_memory_mb=0.0)
+    assert r.crossing(0.4, r.val_samples) == pytest.approx(24.0)  # halfway from 16 to 32, not 32
+    assert r.crossing(0.4, r.val_steps) == pytest.approx(3.0)
+    assert r.crossing(1.5, r.val_samples) == 8.0 and r.crossing(0.1, r.val_samples) is None
+    assert math.isnan(r.crossing(0.4, r.val_wall))  # no wall time logged at the crossing: unknown

@@ -6,8 +6,8 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import make_params
-from voxdiff.compare import compare_runs
-from voxdiff.train import run_training
+from voxdiff.report.compare import compare_runs
+from voxdiff.training.train import run_training
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,11 @@ E2E = {**TINY, "data.label_values": [0, 1, 2, 3], "data.subjects": 4, "data.synt
        "train.max_samples": 16, "train.batch_size": 1}
 
 
+# One file whose edit must not retrain (report code) and one that reruns the train stage (training code).
+UNRELATED_TO_TRAINING = "src/voxdiff/report/compare.py"
+TRAINING_CODE = "src/voxdiff/training/trainer.py"
+
+
 def sh(repo: Path, *cmd: str, check: bool = True, env=None) -> subprocess.CompletedProcess:
     out = subprocess.run(list(cmd), cwd=repo, capture_output=True, text=True, env=env or repo_env(repo), timeout=900)
     if check and out.returncode != 0:
@@ -84,6 +89,24 @@ def test_pipeline_repro_experiments_and_queue(tmp_path):
     # 2. Nothing changed: nothing reruns.
     again = sh(repo, "dvc", "repro")
     assert "Running stage" not in again.stdout
+
+    # 2b. Edits that cannot change training (the report code, the MLflow experiment name) leave it alone ...
+    ckpt = repo / "models" / "checkpoint.pt"
+    before = ckpt.read_bytes()
+    unrelated = repo / UNRELATED_TO_TRAINING
+    unrelated.write_text(unrelated.read_text() + "\n# an edit that cannot change training\n")
+    params_text = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(params_text.replace("experiment: voxdiff", "experiment: voxdiff-renamed"))
+    status = sh(repo, "dvc", "status", "train").stdout
+    assert "changed" not in status, status
+    (repo / "params.yaml").write_text(params_text)
+    # ... and a code edit that does rerun the stage keeps the finished model of the same configuration.
+    trainer_py = repo / TRAINING_CODE
+    trainer_py.write_text(trainer_py.read_text() + "\n# a comment\n")
+    rerun = sh(repo, "dvc", "repro", "train")
+    assert "Running stage 'train'" in rerun.stdout and "nothing to train" in rerun.stderr
+    assert ckpt.read_bytes() == before
+    assert json.loads((repo / "metrics/train.json").read_text())["mlflow_run_id"] == train["mlflow_run_id"]
 
     # 3. dvc exp run -S: an MLflow run named after the DVC experiment with the new setting.
     sh(repo, "git", "add", "-A")

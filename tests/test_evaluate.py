@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from conftest import TINY, make_params, raw_params, write_tiny_cache
 
 TRAIN = {"train.max_samples": 512, "train.batch_size": 4, "train.accumulate_every": 1,
-         "train.val_every": 64, "train.checkpoint_every": 1000}
+         "train.val_every_samples": 64, "train.checkpoint_every": 1000}
 EVAL = {"evaluate.subjects": 0, "evaluate.samples_per_condition": 2, "evaluate.sampling_steps": 10,
         "evaluate.ancestral": True}
 
@@ -52,7 +52,7 @@ def trained(tmp_path_factory):
     _one_thread()
     with pytest.MonkeyPatch.context() as mp:
         _env(mp, root)
-        from voxdiff.train import run_training
+        from voxdiff.training.train import run_training
 
         summary = run_training(params, root, progress=False)
     return root, params, summary
@@ -69,8 +69,8 @@ def untrained_copy(root: Path, params, dest: Path) -> Path:
     """The same project with the network's step-0 weights as EMA (the trainer's own initialisation)."""
     from torch.optim.swa_utils import AveragedModel
 
-    from voxdiff import checkpoint
-    from voxdiff.model import build_network
+    from voxdiff.training import checkpoint
+    from voxdiff.diffusion.model import build_network
 
     shutil.copytree(root / "data", dest / "data")
     shutil.copy(root / "params.yaml", dest / "params.yaml")
@@ -84,8 +84,8 @@ def untrained_copy(root: Path, params, dest: Path) -> Path:
 
 
 def test_evaluate_writes_outputs_and_separates_trained_from_untrained(project, tmp_path):
-    from voxdiff.cache import open_cache
-    from voxdiff.evaluate import run_evaluate
+    from voxdiff.data.cache import open_cache
+    from voxdiff.evaluation.evaluate import run_evaluate
 
     root, params, summary = project
     m = run_evaluate(params, root, progress=False)
@@ -99,6 +99,8 @@ def test_evaluate_writes_outputs_and_separates_trained_from_untrained(project, t
                 "eval_seconds_per_volume_ancestral"):
         assert m[key] is not None, key
     assert m["eval_sampling_steps"] == 10 and m["eval_ancestral_steps"] == 50
+    for k in ("ssim", "psnr", "mae"):
+        assert m[f"eval_{k}_floor_noise"] is not None and m[f"eval_{k}_floor_tissue_mean"] is not None
     assert 0 <= m["eval_msssim_samples"] < 0.99  # two samples of one label map differ
 
     # NIfTI samples on each subject's processed grid; montages; nothing half-written left behind.
@@ -142,8 +144,53 @@ def test_evaluate_writes_outputs_and_separates_trained_from_untrained(project, t
     assert u["eval_contrast_order_ok"] == 0 and u["eval_contrast_ratio"] < 0.2
 
 
+def test_floors_score_themselves_at_their_floor(project):
+    """The two reference predictors, fed to the metric as if they were samples, score exactly their own
+    floor; noise scores ~0 SSIM (windows centred in the brain only), the tissue-mean image far more."""
+    from voxdiff.data.cache import open_cache
+    from voxdiff.evaluation.evaluate import fidelity, fidelity_floors, noise_image, ssim_metric, tissue_mean_image
+
+    root, params, _ = project
+    cache = open_cache(root / "data" / "processed")
+    subjects = [{"real": np.asarray(cache.images[r], np.float32), "label": np.asarray(cache.labels[r])}
+                for r in cache.split_indices("val")]
+    ssim = ssim_metric((16, 16, 16))
+    floors = fidelity_floors(subjects, cache, ssim, seed=3)
+    for name, make in (("noise", lambda s, e: noise_image(e["real"].shape, 3 + s)),
+                       ("tissue_mean", lambda s, e: tissue_mean_image(cache, e["label"]))):
+        scores = [fidelity(make(s, e), e["real"], e["label"] > 0, ssim) for s, e in enumerate(subjects)]
+        for k in ("ssim", "psnr", "mae"):
+            assert floors[f"eval_{k}_floor_{name}"] == pytest.approx(np.mean([f[k] for f in scores]))
+    assert abs(floors["eval_ssim_floor_noise"]) < 0.05
+    assert floors["eval_ssim_floor_tissue_mean"] > floors["eval_ssim_floor_noise"] + 0.3
+    assert floors["eval_mae_floor_tissue_mean"] < floors["eval_mae_floor_noise"]
+    # The real volume against itself is the ceiling.
+    e = subjects[0]
+    assert fidelity(e["real"], e["real"], e["label"] > 0, ssim)["ssim"] == pytest.approx(1.0)
+
+
+def test_noise_is_not_flattered_by_the_background(project):
+    """Old metric (SSIM over the whole grid, background set to -1 in both) gave noise a high score from
+    the identical background alone; the brain-centred SSIM does not."""
+    from monai.metrics import SSIMMetric
+
+    from voxdiff.data.cache import open_cache
+    from voxdiff.evaluation.evaluate import masked, noise_image, ssim_metric
+
+    root, _, _ = project
+    cache = open_cache(root / "data" / "processed")
+    r = int(cache.split_indices("val")[0])
+    real, brain = np.asarray(cache.images[r], np.float32), np.asarray(cache.labels[r]) > 0
+    noise = noise_image(real.shape, 0)
+    whole_grid = SSIMMetric(spatial_dims=3, data_range=2.0, win_size=11)
+    as_before = float(whole_grid(torch.as_tensor(masked(noise, brain))[None, None],
+                                 torch.as_tensor(masked(real, brain))[None, None]).mean())
+    now = ssim_metric(real.shape)(noise, real, brain)
+    assert as_before > 0.2 and abs(now) < 0.05
+
+
 def test_contrast_order_needs_a_real_gap():
-    from voxdiff.evaluate import contrast_order, contrast_ratio
+    from voxdiff.evaluation.evaluate import contrast_order, contrast_ratio
 
     real = {1: 0.40, 2: 0.65, 3: 0.84}  # CSF < GM < WM (MNI152 T1)
     assert contrast_order(real, {1: 0.1, 2: 0.5, 3: 0.7}) and contrast_ratio(real, real) == pytest.approx(1)
@@ -152,8 +199,9 @@ def test_contrast_order_needs_a_real_gap():
 
 
 def test_sampler_is_seeded_and_independent_of_batching(project):
-    from voxdiff import checkpoint, sampling
-    from voxdiff.cache import open_cache
+    from voxdiff.training import checkpoint
+    from voxdiff.diffusion import sampling
+    from voxdiff.data.cache import open_cache
 
     root, _, _ = project
     state = checkpoint.load(root / "models" / "checkpoint.pt")
@@ -199,8 +247,8 @@ class Oracle(torch.nn.Module):
 def test_samplers_recover_the_image_with_a_perfect_denoiser():
     """The wiring (concat order: noisy image first, then the one-hot map; the timesteps the network sees
     match the scheduler's step; clipping) is right if a perfect noise predictor gives back x0."""
-    from voxdiff import sampling
-    from voxdiff.model import build_scheduler
+    from voxdiff.diffusion import sampling
+    from voxdiff.diffusion.model import build_scheduler
 
     diff = make_params().diffusion
     values = [-1.0, -0.2, 0.6]
@@ -214,7 +262,8 @@ def test_samplers_recover_the_image_with_a_perfect_denoiser():
 
 
 def test_incompatible_checkpoints_are_refused_in_one_line(project):
-    from voxdiff import checkpoint, sampling
+    from voxdiff.training import checkpoint
+    from voxdiff.diffusion import sampling
     from voxdiff.errors import VoxdiffError
 
     root, _, _ = project
@@ -234,7 +283,7 @@ def test_incompatible_checkpoints_are_refused_in_one_line(project):
 
 
 def test_msssim_fits_small_grids():
-    from voxdiff.evaluate import msssim_config, msssim_metric
+    from voxdiff.evaluation.evaluate import msssim_config, msssim_metric
 
     assert msssim_config((32, 32, 32))[:2] == (3, 7) and msssim_config((16, 16, 16))[:2] == (2, 7)
     assert msssim_config((128, 128, 128))[:2] == (5, 7) and sum(msssim_config((32,) * 3)[2]) == pytest.approx(1)
@@ -314,7 +363,7 @@ def test_sample_cli_maps_back_onto_an_lps_label_grid(project, tmp_path):
 
 
 def test_sample_cli_bad_inputs_exit_2_with_one_line(project, tmp_path):
-    from voxdiff import checkpoint
+    from voxdiff.training import checkpoint
 
     root, _, _ = project
     ckpt = root / "models" / "checkpoint.pt"
@@ -360,7 +409,7 @@ def test_sample_cli_bad_inputs_exit_2_with_one_line(project, tmp_path):
 
 
 def test_evaluate_bad_inputs_give_one_line_errors(project, tmp_path):
-    from voxdiff.evaluate import run_evaluate
+    from voxdiff.evaluation.evaluate import run_evaluate
     from voxdiff.errors import VoxdiffError
 
     root, params, _ = project

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from voxdiff.gns import (GradientNoiseScale, balanced_accumulate_every, critical_batch_tradeoff,
+from voxdiff.training.gns import (GradientNoiseScale, balanced_accumulate_every, critical_batch_tradeoff,
                          not_measurable_reason)
 
 D, SIGMA, DIST_SQ = 16, 1.0, 2.0

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from datagen import leftovers, make_params
-from voxdiff import builtin, cache, prepare, preprocess
+from voxdiff.data import builtin
+from voxdiff.data import cache
+from voxdiff.data import prepare
+from voxdiff.data import preprocess
 from voxdiff.errors import ParamsError
 
 

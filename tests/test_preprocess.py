@@ -11,7 +11,9 @@ import pytest
 
 from datagen import (CUBE, ORIGIN, flip_to_lps, phantom, ras_affine, user_params, world_of_voxel,
                      write_dataset, write_nifti, write_pair)
-from voxdiff import cache, prepare, preprocess
+from voxdiff.data import cache
+from voxdiff.data import prepare
+from voxdiff.data import preprocess
 
 
 def centroid(mask: np.ndarray) -> np.ndarray:
@@ -147,7 +149,7 @@ def test_run_preprocess_is_deterministic(tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_split_is_by_subject_id(seed):
-    from voxdiff.sources import split_subjects
+    from voxdiff.data.sources import split_subjects
 
     ids = [f"sub-{i:03d}" for i in range(10)]
     split = split_subjects(ids, 3, seed)
@@ -158,3 +160,21 @@ def test_split_is_by_subject_id(seed):
     more = split_subjects(ids + ["sub-999"], 3, seed)
     moved = [i for i in ids if split[i] != more[i]]
     assert len(moved) <= 1
+
+
+def test_foreground_of_an_image_that_is_not_skull_stripped():
+    """Air around an unstripped head is Rician noise above 0: `> 0` took the whole field of view;
+    Otsu's threshold separates the head from it."""
+    import numpy as np
+
+    from voxdiff.data.preprocess import otsu_threshold
+
+    rng = np.random.default_rng(0)
+    image = np.abs(rng.normal(0, 5, (40, 40, 40)))  # air: magnitude noise, all > 0
+    image[10:30, 10:30, 10:30] = rng.normal(100, 10, (20, 20, 20))  # head
+    t = otsu_threshold(image)
+    head = np.zeros(image.shape, bool)
+    head[10:30, 10:30, 10:30] = True
+    assert (image > 0).mean() > 0.99  # the old rule: everything
+    assert np.array_equal(image > t, head)
+    assert otsu_threshold(np.full((4, 4, 4), 3.0)) == 3.0

@@ -57,7 +57,7 @@ def without_timing(history: list[dict]) -> list[dict]:
 
 def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
     cfg = {"train.max_samples": 160, "train.batch_size": 1, "train.accumulate_every": 2,
-           "train.checkpoint_every": 4, "train.val_every": 8}
+           "train.checkpoint_every": 4, "train.val_every_samples": 8}
     ref = project(tmp_path / "ref", cfg)
     subprocess.run(train_cmd(ref), env=env_for(ref), check=True, capture_output=True)
 

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from datagen import user_params, write_pair
-from voxdiff import prepare, preprocess, sources
+from voxdiff.data import prepare
+from voxdiff.data import preprocess
+from voxdiff.data import sources
 from voxdiff.errors import ParamsError
 from voxdiff.fsutil import sha256_file
 

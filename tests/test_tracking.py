@@ -12,7 +12,7 @@ import yaml
 
 from conftest import TINY, make_params, raw_params, write_tiny_cache
 from voxdiff.errors import VoxdiffError
-from voxdiff.tracking import RunTracker
+from voxdiff.tracking.runs import RunTracker
 
 
 def test_unreachable_server_fails_before_training(tmp_path):

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import make_params
-from voxdiff import trainer as trainer_mod
-from voxdiff.cache import open_cache
-from voxdiff.distributed import init_runtime
-from voxdiff.schedule import ema_beta, lr_at, plan_budget, scaled_lr
-from voxdiff.trainer import Trainer
+from voxdiff.training import trainer as trainer_mod
+from voxdiff.data.cache import open_cache
+from voxdiff.training.distributed import init_runtime
+from voxdiff.training.schedule import ema_beta, lr_at, plan_budget, scaled_lr
+from voxdiff.training.trainer import Trainer
 
 
 def train_weights(root, overrides: dict) -> tuple[dict, Trainer]:

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH"
 EXP=voxdiff-study
-COMMON=(-S train.max_samples=384 -S train.batch_size=2 -S train.val_every=4 -S train.checkpoint_every=32
+COMMON=(-S train.max_samples=384 -S train.batch_size=2 -S train.val_every_samples=16 -S train.checkpoint_every=32
         -S evaluate.subjects=1 -S evaluate.samples_per_condition=2 -S "mlflow.experiment=$EXP")
 
 git diff --quiet HEAD -- src stages dvc.yaml params.yaml || { echo "commit your changes first: queued runs use committed files" >&2; exit 1; }

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from voxdiff import __version__
 
 
 def _root_option(f):
@@ -28,8 +28,8 @@ def _params_option(f):
 
 
 def _resolve(root: Path | None, params_path: Path | None):
-    from .fsutil import repo_root
-    from .params import load
+    from voxdiff.fsutil import repo_root
+    from voxdiff.params import load
 
     root = (root or repo_root()).resolve()
     return root, load(params_path or root / "params.yaml")
@@ -40,7 +40,7 @@ def user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from .errors import VoxdiffError
+        from voxdiff.errors import VoxdiffError
 
         debug = click.get_current_context().find_root().params.get("debug", False)
         try:
@@ -72,7 +72,8 @@ def main(debug: bool) -> None:
       voxdiff preprocess  reorient, resample, crop, normalise, split -> data/processed cache
       voxdiff train       3D conditional DDPM with exact gradient accumulation -> models/
       voxdiff evaluate    sample with the EMA model, fidelity/diversity/tissue metrics
-    Then: voxdiff compare (report across runs), voxdiff sample (your own label map).
+    Then: voxdiff compare (report across runs), voxdiff sample (your own label map),
+    voxdiff metrics (the last run's figures), voxdiff doctor (environment for a bug report).
     All settings live in params.yaml.
     """
     if not debug:
@@ -88,7 +89,7 @@ def main(debug: bool) -> None:
 def prepare(root, params_path):
     """Create data/raw: synthesise the built-in pseudo-subjects (data.source: mni152) from the MNI152
     template shipped in nilearn, or index and check your own NIfTI pairs (data.source: a directory)."""
-    from .prepare import run_prepare
+    from voxdiff.data.prepare import run_prepare
 
     root, params = _resolve(root, params_path)
     run_prepare(params, root)
@@ -101,7 +102,7 @@ def prepare(root, params_path):
 def preprocess(root, params_path):
     """Create data/processed: canonical RAS orientation, preprocess.spacing (labels nearest-neighbour),
     crop/pad to preprocess.shape, per-volume intensity scaling to [-1, 1], train/val split, preview PNG."""
-    from .preprocess import run_preprocess
+    from voxdiff.data.preprocess import run_preprocess
 
     root, params = _resolve(root, params_path)
     run_preprocess(params, root)
@@ -115,7 +116,7 @@ def preprocess(root, params_path):
 def train(root, params_path, progress):
     """Train the diffusion model on data/processed. Resumes an interrupted run of the same configuration
     from models/checkpoint.pt. Multi-GPU/CPU: `torchrun --nproc_per_node N stages/train.py`."""
-    from .train import run_training
+    from voxdiff.training.train import run_training
 
     root, params = _resolve(root, params_path)
     run_training(params, root, progress=progress)
@@ -128,10 +129,26 @@ def train(root, params_path, progress):
 def evaluate(root, params_path):
     """Sample volumes for the validation label maps with the EMA weights (DDIM) and write
     metrics/eval.json and montages; logs into the training's MLflow run."""
-    from .evaluate import run_evaluate
+    from voxdiff.evaluation.evaluate import run_evaluate
 
     root, params = _resolve(root, params_path)
     run_evaluate(params, root)
+
+
+@main.command()
+@_root_option
+@_params_option
+@user_errors
+def doctor(root, params_path):
+    """Print what a bug report needs: device, the precision `auto` picks and why, threads, versions of
+    torch/MONAI/MLflow/DVC, and the MLflow tracking URI in force and whether it answers."""
+    from voxdiff.doctor import print_report
+    from voxdiff.fsutil import repo_root
+    from voxdiff.params import load
+
+    root = (root or repo_root()).resolve()
+    path = params_path or root / "params.yaml"
+    print_report(root, load(path) if path.is_file() else None, echo=click.echo)
 
 
 SUMMARY_ROWS = (
@@ -150,7 +167,9 @@ SUMMARY_ROWS = (
     ("eval.json", "eval_mae", "MAE (brain)"),
     ("eval.json", "eval_msssim_samples", "MS-SSIM between samples (diversity)"),
     ("eval.json", "eval_msssim_real", "MS-SSIM between real volumes"),
+    ("eval.json", "eval_beats_floors", "beats both floors on SSIM, PSNR, MAE (1/0)"),
     ("eval.json", "eval_contrast_order_ok", "tissue contrast order kept (1/0)"),
+    ("eval.json", "eval_contrast_order_fraction", "samples keeping the contrast order"),
     ("eval.json", "eval_seconds_per_volume", "sampling s/volume"),
 )
 
@@ -162,7 +181,7 @@ def metrics(root):
     show` lists every field, `dvc exp show` compares experiments."""
     import json
 
-    from .fsutil import repo_root
+    from voxdiff.fsutil import repo_root
 
     root = (root or repo_root()).resolve()
     loaded = {}
@@ -177,6 +196,9 @@ def metrics(root):
         if value is None or value == "":
             continue
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        floors = [loaded[name].get(f"{key}_floor_{f}") for f in ("noise", "tissue_mean")]
+        if None not in floors:
+            shown += f"   (floors: noise {floors[0]:.4g}, tissue-mean {floors[1]:.4g})"
         click.echo(f"  {label:<45} {shown}")
     note = loaded["train.json"].get("gns_note")
     if note:
@@ -184,22 +206,13 @@ def metrics(root):
 
 
 def _register_optional() -> None:
-    """Commands that live in their own modules."""
-    try:
-        from .compare import compare_command
-    except ImportError:  # pragma: no cover - only while the module is being written
-        compare_command = None
-    if compare_command is not None:
-        compare_command.callback = user_errors(compare_command.callback)
-        main.add_command(compare_command, "compare")
-    try:
-        from .sample import sample_command
-    except ImportError:  # pragma: no cover
-        sample_command = None
-    if sample_command is not None:
-        if not getattr(sample_command.callback, "__wrapped__", None):
-            sample_command.callback = user_errors(sample_command.callback)
-        main.add_command(sample_command, "sample")
+    """Commands that live in their own modules. An import error there is a real bug: let it surface."""
+    from voxdiff.report.compare import compare_command
+    from voxdiff.evaluation.sample import sample_command
+
+    for name, command in (("compare", compare_command), ("sample", sample_command)):
+        command.callback = user_errors(command.callback)  # one-line errors, as every other command
+        main.add_command(command, name)
 
 
 _register_optional()

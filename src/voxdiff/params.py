@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .errors import ParamsError
+from voxdiff.errors import ParamsError
 
 # --- checks -------------------------------------------------------------------------------------
 Check = Callable[[str, Any], Any]
@@ -133,6 +133,7 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "schedule": choice("linear_beta", "scaled_linear_beta", "sigmoid_beta", "cosine"),
         "prediction": choice("epsilon", "sample", "v_prediction"),
         "loss": choice("l1", "l2"),
+        "min_snr_gamma": number(0.0),
     },
     "train": {
         "batch_size": integer(1),
@@ -140,7 +141,9 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "max_steps": integer(0),
         "max_samples": integer(0),
         "lr": number(0.0, lo_open=True),
-        "lr_scaling": choice("none", "linear", "sqrt"),
+        "lr_scaling": choice("none", "linear", "sqrt", "sde"),
+        "adam_betas": number_list(2, 0.0, 1.0, lo_open=False),
+        "adam_eps": number(0.0, lo_open=True),
         "reference_batch": integer(1),
         "warmup_samples": integer(0),
         "grad_clip": number(0.0),
@@ -148,7 +151,7 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "ema_rampup_ratio": number(0.0),
         "precision": choice("auto", "fp32", "bf16", "fp16"),
         "device": text(allow_empty=False),
-        "val_every": integer(1),
+        "val_every_samples": integer(1),
         "val_draws": integer(1),
         "val_seed": integer(0),
         "checkpoint_every": integer(1),
@@ -212,6 +215,7 @@ class Diffusion:
     schedule: str
     prediction: str
     loss: str
+    min_snr_gamma: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +226,8 @@ class Train:
     max_samples: int
     lr: float
     lr_scaling: str
+    adam_betas: tuple[float, float]
+    adam_eps: float
     reference_batch: int
     warmup_samples: int
     grad_clip: float
@@ -229,7 +235,7 @@ class Train:
     ema_rampup_ratio: float
     precision: str
     device: str
-    val_every: int
+    val_every_samples: int
     val_draws: int
     val_seed: int
     checkpoint_every: int
@@ -325,6 +331,12 @@ def _cross_checks(p: Params) -> None:
     if bad:
         raise ParamsError(f"params.yaml: model.norm_num_groups={m.norm_num_groups} must divide every "
                           f"model.channels entry, not {bad[0]}")
+    attn = [c for c, a in zip(m.channels, m.attention_levels) if a and c % m.num_head_channels]
+    if attn:
+        raise ParamsError(f"params.yaml: model.num_head_channels={m.num_head_channels} must divide the channels of "
+                          f"every attention level, not {attn[0]}")
+    if any(not 0 <= b < 1 for b in t.adam_betas):
+        raise _fail("train.adam_betas", "two numbers in [0, 1)", list(t.adam_betas))
     down = 2 ** (len(m.channels) - 1)
     if any(s % down for s in p.preprocess.shape):
         raise ParamsError(f"params.yaml: preprocess.shape {list(p.preprocess.shape)} must be divisible by "

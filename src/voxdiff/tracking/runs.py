@@ -13,10 +13,10 @@ import subprocess
 import warnings
 from pathlib import Path
 
-from . import __version__
-from .errors import VoxdiffError
-from .params import Params
-from .tracking_uri import resolve_tracking_uri
+from voxdiff import __version__
+from voxdiff.errors import VoxdiffError
+from voxdiff.params import Params
+from voxdiff.tracking.uri import resolve_tracking_uri
 
 # An unreachable server should fail the start-up check in seconds, not after MLflow's default
 # minutes of retries; users can still override both.
@@ -24,7 +24,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 METRIC_KEYS = ("train_loss", "val_loss", "grad_norm", "lr", "samples_seen", "wall_time", "samples_per_s",
-               "peak_memory_mb", "gns", "gns_grad_sq", "gns_trace")
+               "peak_memory_mb", "gns", "gns_grad_sq", "gns_trace", "ema_halflife")
 
 
 def _client(uri: str):

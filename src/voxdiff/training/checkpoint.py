@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import VoxdiffError
-from .fsutil import atomic_path
+from voxdiff.errors import VoxdiffError
+from voxdiff.fsutil import atomic_path
 
 FORMAT_VERSION = 1
 

@@ -8,17 +8,20 @@ import sys
 import time
 from pathlib import Path
 
-from . import checkpoint, plots
-from .cache import open_cache
-from .distributed import Runtime, init_runtime, shutdown
-from .errors import TrainingDiverged
-from .fsutil import write_json, write_text
-from .params import Params
-from .schedule import scaled_lr
-from .trainer import Trainer, due
-from .tracking import RunTracker
+from voxdiff.training import checkpoint
 
-TRAIN_COLUMNS = ("step", "samples_seen", "wall_time", "train_loss", "lr", "grad_norm", "gns", "samples_per_s")
+from voxdiff.report import plots
+from voxdiff.data.cache import open_cache
+from voxdiff.training.distributed import Runtime, init_runtime, shutdown
+from voxdiff.errors import TrainingDiverged
+from voxdiff.fsutil import write_json, write_text
+from voxdiff.params import Params
+from voxdiff.training.schedule import adam_settings
+from voxdiff.training.schedule import crossed, ema_rampup_end
+from voxdiff.training.trainer import Trainer, due
+from voxdiff.tracking.runs import RunTracker
+
+TRAIN_COLUMNS = ("step", "samples_seen", "wall_time", "train_loss", "lr", "grad_norm", "gns", "ema_halflife", "samples_per_s")
 VAL_COLUMNS = ("step", "samples_seen", "wall_time", "val_loss")
 
 
@@ -52,16 +55,29 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
     trainer = Trainer(params, root, rt, cache)
     budget = trainer.budget
     state, why = checkpoint.resumable(out["checkpoint"], trainer.fingerprint())
-    if state is not None and state.get("finished"):
-        state, why = None, why + ": training again from scratch"
     say(rt, why)
     if state is not None:
         trainer.restore(state)
+    if state is not None and state.get("finished"):
+        # DVC reran the stage for a change that does not touch training (e.g. another stage's code):
+        # the finished model stands; rewrite the stage's other outputs from it.
+        say(rt, f"nothing to train: outputs rewritten from it (delete {out['checkpoint'].relative_to(root)} "
+                "to train this configuration again)")
+        summary = summarize(trainer, params, rt, None, run_id=state.get("mlflow_run_id", ""))
+        if rt.is_main:
+            write_outputs(out, trainer, summary)
+        return summary
     say(rt, f"device {rt.device}, precision {rt.precision}, world size {rt.world_size}; micro-batch "
             f"{budget.micro_batch} x accumulate_every {budget.accumulate_every} x {rt.world_size} = effective "
             f"batch {budget.effective_batch}; {budget.total_steps} steps, {budget.total_samples} samples")
     if trainer.gns_reason:
         say(rt, trainer.gns_reason)
+    adam = adam_settings(params.train, budget.effective_batch)
+    ramp = ema_rampup_end(params.train)
+    say(rt, f"EMA half-life {params.train.ema_halflife_samples:g} samples, reached after {ramp:.0f} samples "
+            f"({100 * ramp / budget.total_samples:.0f} % of the budget)" + (
+            "; raise train.ema_rampup_ratio or lower train.ema_halflife_samples: the ramp-up is most of the run"
+            if ramp > budget.total_samples / 2 else ""))
 
     tracker = None
     if rt.is_main:
@@ -70,7 +86,9 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
             tags={"voxdiff.data_fingerprint": cache.fingerprint, "voxdiff.device": str(rt.device),
                   "voxdiff.world_size": rt.world_size, "voxdiff.precision": rt.precision},
             extra_params={"effective_batch_size": budget.effective_batch, "world_size": rt.world_size,
-                          "effective_lr": scaled_lr(params.train, budget.effective_batch),
+                          "effective_lr": adam.lr, "effective_adam_beta1": adam.betas[0],
+                          "effective_adam_beta2": adam.betas[1], "effective_adam_eps": adam.eps,
+                          "ema_rampup_end_samples": ema_rampup_end(params.train),
                           "precision_resolved": rt.precision, "device_resolved": str(rt.device)})
 
     def save(finished: bool) -> None:
@@ -82,17 +100,26 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
     c = trainer.counters
     bar = make_bar(rt, budget.total_steps, c.step, progress)
     try:
-        while c.step < budget.total_steps:
-            record = trainer.train_step()
-            record["timestamp"] = time.time()
-            if due(c.step, params.train.val_every, budget.total_steps):
-                record["val_loss"] = trainer.validation_loss()
-            c.history.append(record)
-            report_progress(rt, bar, record, budget.total_steps, params.train.val_every)
-            if due(c.step, params.train.checkpoint_every, budget.total_steps) and c.step < budget.total_steps:
-                save(finished=False)
+        with GracefulInterrupt() as interrupt:
+            while c.step < budget.total_steps:
+                before = c.samples_seen
+                record = trainer.train_step()
+                record["timestamp"] = time.time()
+                last = c.step == budget.total_steps
+                # Validation counted in samples lands at the same samples whatever the effective batch;
+                # only rank 0 runs it (the EMA weights are the same on every rank).
+                if rt.is_main and (last or crossed(before, c.samples_seen, params.train.val_every_samples)):
+                    record["val_loss"] = trainer.validation_loss()
+                c.history.append(record)
+                report_progress(rt, bar, record, budget.total_steps)
+                if due(c.step, params.train.checkpoint_every, budget.total_steps) and not last:
+                    save(finished=False)
+                if interrupt.requested(rt):
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
-        save(finished=False)  # the model is only changed at window ends, so this is a clean state
+        # Reached only at a window boundary with the step's record kept (GracefulInterrupt defers
+        # the first Ctrl-C), so the resumed run continues exactly where this one stopped.
+        save(finished=False)
         say(rt, f"interrupted: checkpoint saved at step {c.step}; rerun the stage to resume")
         if tracker:
             tracker.finish("KILLED")
@@ -122,8 +149,8 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
     return summary
 
 
-def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker) -> dict:
-    from .fsutil import sha256_file
+def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: str = "") -> dict:
+    from voxdiff.fsutil import sha256_file
 
     c, b = trainer.counters, trainer.budget
     val = [h for h in c.history if h["val_loss"] is not None]
@@ -136,11 +163,11 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker) -> dict:
         "peak_memory_mb": max(h["peak_memory_mb"] for h in c.history),
         "effective_batch_size": b.effective_batch, "micro_batch": b.micro_batch,
         "accumulate_every": b.accumulate_every, "world_size": rt.world_size,
-        "effective_lr": scaled_lr(params.train, b.effective_batch),
+        "effective_lr": adam_settings(params.train, b.effective_batch).lr,
         "skipped_steps": c.skipped_steps, "ema_updates": c.ema_updates,
         "gns": trainer.gns.value if trainer.gns_reason is None else None,
         "gns_note": trainer.gns_reason or "", "device": str(rt.device), "precision": rt.precision,
-        "mlflow_run_id": tracker.run_id if tracker else "",
+        "mlflow_run_id": tracker.run_id if tracker else run_id,
         "checkpoint_sha256": sha256_file(paths(trainer.root)["checkpoint"]) if rt.is_main else "",
     }
 
@@ -163,6 +190,48 @@ def tsv(rows: list[dict], columns: tuple[str, ...]) -> str:
     return buf.getvalue()
 
 
+class GracefulInterrupt:
+    """Defers the first Ctrl-C (SIGINT) to the end of the current optimizer step.
+
+    The handler only sets a flag; the loop checks it after the step's record and checkpoint are done
+    and then raises KeyboardInterrupt, so the saved state is a clean window boundary. A second Ctrl-C
+    interrupts at once (the previous handler is back). Under DDP the flag is summed over ranks, so all
+    ranks stop at the same step.
+    """
+
+    def __init__(self):
+        self.flag = False
+        self.previous = None
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        import signal
+
+        self.flag = True
+        signal.signal(signal.SIGINT, self.previous or signal.default_int_handler)
+
+    def requested(self, rt: Runtime) -> bool:
+        if rt.world_size == 1:
+            return self.flag
+        from voxdiff.training.distributed import all_reduce_sum
+
+        return all_reduce_sum([float(self.flag)], rt)[0] > 0
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
 def make_bar(rt: Runtime, total: int, start: int, progress: bool | None):
     """A tqdm bar on a terminal; plain log lines otherwise (CI, DVC queue logs)."""
     from tqdm.auto import tqdm
@@ -173,7 +242,7 @@ def make_bar(rt: Runtime, total: int, start: int, progress: bool | None):
     return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, desc="train")
 
 
-def report_progress(rt: Runtime, bar, record: dict, total: int, val_every: int) -> None:
+def report_progress(rt: Runtime, bar, record: dict, total: int) -> None:
     if not rt.is_main:
         return
     post = {"samples": record["samples_seen"], "loss": f"{record['train_loss']:.4f}",

@@ -11,9 +11,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import builtin, nifti, sources
-from .errors import ParamsError
-from .fsutil import atomic_path, write_json
+from voxdiff.data import builtin
+
+from voxdiff.data import nifti
+
+from voxdiff.data import sources
+from voxdiff.errors import ParamsError
+from voxdiff.fsutil import atomic_path, write_json
 
 INDEX_NAME = "index.json"
 

@@ -14,16 +14,17 @@ depend on how many others are sampled with it: same checkpoint + seed -> identic
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Sequence
 
 import torch
 
-from .diffusion import stream_seed
-from .distributed import peak_memory_mb
-from .errors import ParamsError, VoxdiffError
-from .params import SCHEMA, Diffusion, Model, Preprocess
+from voxdiff.diffusion.objective import stream_seed
+from voxdiff.training.distributed import peak_memory_mb
+from voxdiff.errors import ParamsError, VoxdiffError
+from voxdiff.params import SCHEMA, Diffusion, Model, Preprocess
 
 SAMPLERS = ("ddim", "ancestral")
 _NOISE, _STEPS = 0x5A3, 0xA7C  # stream tags: initial noise, ancestral per-step noise
@@ -80,7 +81,7 @@ def load_ema_network(ckpt_state: dict, device, source="checkpoint", num_classes:
     hold; a checkpoint trained for another number of classes is refused. Any mismatch raises a
     one-line VoxdiffError naming `source` (the checkpoint file).
     """
-    from .model import build_network
+    from voxdiff.diffusion.model import build_network
 
     check_training_checkpoint(ckpt_state, source)
     model = checkpoint_section(ckpt_state, "model", Model, source)
@@ -105,7 +106,7 @@ def load_ema_network(ckpt_state: dict, device, source="checkpoint", num_classes:
 
 def as_one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     """[B, D, H, W] class indices (or [D, H, W]) or [B, C, D, H, W] one-hot -> [B, C, D, H, W] float."""
-    from .model import one_hot
+    from voxdiff.diffusion.model import one_hot
 
     labels = torch.as_tensor(labels)
     if labels.dtype.is_floating_point and labels.ndim == 5:
@@ -124,7 +125,7 @@ def as_one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 
 def make_scheduler(diffusion: Diffusion, sampler: str, steps: int):
-    from .model import build_ddim, build_scheduler
+    from voxdiff.diffusion.model import build_ddim, build_scheduler
 
     if sampler == "ddim":
         return build_ddim(diffusion, steps)  # eta 0: DDIMScheduler.step's default, and the inferer's
@@ -141,13 +142,15 @@ def initial_noise(seed: int, subject: int, sample_index: int, shape: Sequence[in
 
 
 class _StepCounter:
-    """Calls the network and ticks a progress bar once per denoising step (the inferer owns the loop)."""
+    """Calls the network (under the training's autocast) and ticks a progress bar once per denoising
+    step (the inferer owns the loop). The scheduler's update stays in fp32."""
 
-    def __init__(self, net, bar):
-        self.net, self.bar = net, bar
+    def __init__(self, net, bar, autocast=None):
+        self.net, self.bar, self.autocast = net, bar, autocast or contextlib.nullcontext
 
     def __call__(self, x, timesteps, context=None):
-        out = self.net(x, timesteps=timesteps, context=context)
+        with self.autocast():
+            out = self.net(x, timesteps=timesteps, context=context).float()
         if self.bar is not None:
             self.bar.update(1)
         return out
@@ -156,12 +159,13 @@ class _StepCounter:
 @torch.no_grad()
 def generate(net, diffusion_params: Diffusion, labels_onehot_or_indices, num_classes: int, steps: int, seed: int,
              sampler: str = "ddim", progress: bool = True, subject: int = 0, sample_index: int = 0,
-             record: list | None = None) -> torch.Tensor:
+             record: list | None = None, autocast=None) -> torch.Tensor:
     """Sample one volume per label map: returns [B, 1, D, H, W] float32 on the CPU, in [-1, 1].
 
     Volume b is seeded by (seed, subject, sample_index + b). `steps` is the DDIM step count; the
     ancestral sampler always runs all diffusion.timesteps steps. `record`, when a list, receives one
-    dict per volume: {"seconds", "peak_memory_mb", "steps", "sampler"}.
+    dict per volume: {"seconds", "peak_memory_mb", "steps", "sampler"}. `autocast`, when given, is a
+    context factory for the network calls (Runtime.autocast: bf16 where training used it).
 
     DDIM (eta 0) is deterministic given its starting noise, so the whole batch runs in one network
     call per step: on the CPU a batch of 2 is ~3x faster per volume than 2 batches of 1 (PyTorch picks
@@ -171,13 +175,13 @@ def generate(net, diffusion_params: Diffusion, labels_onehot_or_indices, num_cla
     condition = as_one_hot(labels_onehot_or_indices, num_classes)
     groups = [list(range(condition.shape[0]))] if sampler == "ddim" else [[b] for b in range(condition.shape[0])]
     out = [_sample_group(net, diffusion_params, condition, group, steps, seed, sampler, progress, subject,
-                         sample_index, record) for group in groups]
+                         sample_index, record, autocast) for group in groups]
     return torch.cat(out)
 
 
 def _sample_group(net, diffusion_params, condition, group, steps, seed, sampler, progress, subject, sample_index,
-                  record):
-    from .model import build_inferer
+                  record, autocast):
+    from voxdiff.diffusion.model import build_inferer
 
     device = next(net.parameters()).device
     shape = tuple(condition.shape[2:])
@@ -201,7 +205,7 @@ def _sample_group(net, diffusion_params, condition, group, steps, seed, sampler,
             if sampler == "ancestral":
                 torch.manual_seed(stream_seed(seed, _STEPS, subject, ks[0]))
             noise = torch.cat([initial_noise(seed, subject, k, shape) for k in ks]).to(device)
-            volume = inferer.sample(input_noise=noise, diffusion_model=_StepCounter(net, bar),
+            volume = inferer.sample(input_noise=noise, diffusion_model=_StepCounter(net, bar, autocast),
                                     scheduler=scheduler, conditioning=condition[group].to(device),
                                     mode="concat", verbose=False)
         if device.type == "cuda":

@@ -7,7 +7,7 @@ from monai.inferers import DiffusionInferer
 from monai.networks.nets import DiffusionModelUNet
 from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
 
-from .params import Diffusion, Model
+from voxdiff.params import Diffusion, Model
 
 
 def build_network(model: Model, num_classes: int) -> DiffusionModelUNet:

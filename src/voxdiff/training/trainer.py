@@ -19,13 +19,23 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from . import diffusion, gns
-from .cache import ProcessedCache
-from .distributed import Runtime, all_reduce_sum, peak_memory_mb
-from .errors import TrainingDiverged
-from .model import build_inferer, build_network, build_scheduler, enable_activation_checkpointing
-from .params import Params
-from .schedule import Budget, ema_beta, lr_at, plan_budget
+from voxdiff.diffusion import objective
+
+from voxdiff.training import gns
+from voxdiff.data.cache import ProcessedCache
+from voxdiff.training.distributed import Runtime, all_reduce_sum, peak_memory_mb
+from voxdiff.errors import TrainingDiverged
+from voxdiff.diffusion.model import build_inferer, build_network, build_scheduler, enable_activation_checkpointing
+from voxdiff.params import Params
+from voxdiff.training.schedule import Budget, adam_settings, ema_beta, ema_halflife, lr_at, plan_budget
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device copy; on CUDA from pinned memory without blocking, so the copy of the next
+    micro-batch's noise (drawn on the CPU: same numbers on CPU and GPU) overlaps the GPU's work."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def micro_batch_weight(n_micro: int, n_window: int, budget: Budget) -> float:
@@ -68,13 +78,18 @@ class Trainer:
             enable_activation_checkpointing(self.net)
         self.scheduler = build_scheduler(params.diffusion)
         self.inferer = build_inferer(self.scheduler)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=params.train.lr)
+        adam = adam_settings(params.train, self.budget.effective_batch)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=adam.lr, betas=adam.betas, eps=adam.eps)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler)
         self.gns = gns.GradientNoiseScale(params.train.gns_smoothing)
         self.gns_reason = gns.not_measurable_reason(params.train.accumulate_every, rt.world_size)
         self.counters = Counters()
         self.model = (DistributedDataParallel(self.net) if rt.world_size > 1 else self.net)
-        self.val_set = diffusion.val_draws(params.train.val_seed, len(self.val_rows), params.train.val_draws,
+        self.local_grad = None
+        if rt.world_size > 1 and self.gns_reason is None:
+            self.local_grad = LocalGradNorm()
+            self.model.register_comm_hook(self.local_grad, LocalGradNorm.hook)
+        self.val_set = objective.val_draws(params.train.val_seed, len(self.val_rows), params.train.val_draws,
                                            params.diffusion.timesteps, (1, *self.shape))
 
     # --- identity ---------------------------------------------------------------------------------
@@ -91,19 +106,17 @@ class Trainer:
     def batch(self, indices: list[int]):
         """Images, labels, timesteps and noise of the given global sample indices, on the device."""
         n = len(self.train_rows)
-        rows = [int(self.train_rows[diffusion.subject_for(self.p.seed, i, n)]) for i in indices]
-        draws = [diffusion.draw(self.p.seed, i, self.p.diffusion.timesteps, (1, *self.shape)) for i in indices]
-        dev = self.rt.device
-        images, labels = (torch.from_numpy(a).to(dev) for a in self.cache.stack(rows))
-        t = torch.tensor([d[0] for d in draws], device=dev, dtype=torch.long)
-        noise = torch.stack([d[1] for d in draws]).to(dev)
+        rows = [int(self.train_rows[objective.subject_for(self.p.seed, i, n)]) for i in indices]
+        draws = [objective.draw(self.p.seed, i, self.p.diffusion.timesteps, (1, *self.shape)) for i in indices]
+        images, labels = (to_device(torch.from_numpy(a), self.rt.device) for a in self.cache.stack(rows))
+        t = to_device(torch.tensor([d[0] for d in draws], dtype=torch.long), self.rt.device)
+        noise = to_device(torch.stack([d[1] for d in draws]), self.rt.device)
         return images, labels, t, noise
 
     def losses(self, model, images, labels, t, noise) -> torch.Tensor:
-        d = self.p.diffusion
         with self.rt.autocast():
-            return diffusion.per_sample_loss(model, self.inferer, self.scheduler, images, labels, noise, t,
-                                             self.num_classes, d.prediction, d.loss)
+            return objective.per_sample_loss(model, self.inferer, self.scheduler, images, labels, noise, t,
+                                             self.num_classes, self.p.diffusion)
 
     # --- one optimizer step -----------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -112,7 +125,11 @@ class Trainer:
         n_window = len(window)
         micros = budget.micro_batches(step, rt.rank)
         full = n_window == budget.effective_batch
-        probe = GradProbe(self.net) if (full and self.gns_reason is None) else None
+        measure = full and self.gns_reason is None
+        probe = GradProbe(self.net) if (measure and rt.world_size == 1) else None
+        if self.local_grad is not None:
+            self.local_grad.reset()
+        scale = self.scaler.get_scale() if rt.use_scaler else 1.0
         loss_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         t0 = time.perf_counter()
         for j, micro in enumerate(micros):
@@ -129,18 +146,16 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             if micro:
                 loss_sum += per_sample.detach().sum().double()
-            if probe is not None and micro and (rt.world_size == 1 or not last):
-                probe.record(weight * len(micro) * self.scaler.get_scale() if rt.use_scaler else weight * len(micro))
+            if probe is not None and micro:
+                probe.record(weight * len(micro) * scale)
         total_loss, = all_reduce_sum([float(loss_sum)], rt)
         train_loss = total_loss / n_window
         if not math.isfinite(train_loss):
             raise TrainingDiverged(f"training loss is {train_loss} at optimizer step {step + 1} "
                                    f"(samples {window.start}-{window.stop - 1}); the last good checkpoint is kept")
         grad_norm, stepped = self.optimizer_step(n_window)
-        if probe is not None and stepped:
-            small = all_reduce_sum([sum(probe.sq_norms), len(probe.sq_norms)], rt)
-            if small[1] > 0:
-                self.gns.update([small[0] / small[1]], budget.micro_batch, grad_norm ** 2, budget.effective_batch)
+        if measure and stepped:
+            self.update_noise_scale(probe, scale, grad_norm)
         c = self.counters
         c.step += 1
         c.samples_seen += n_window
@@ -152,8 +167,27 @@ class Trainer:
             "grad_norm": grad_norm, "samples_per_s": n_window / max(elapsed, 1e-9),
             "gns": self.gns.value if self.gns_reason is None else None,
             "gns_grad_sq": self.gns.grad_sq, "gns_trace": self.gns.trace,
+            "ema_halflife": ema_halflife(self.p.train, c.samples_seen),
             "peak_memory_mb": peak_memory_mb(rt.device),
         }
+
+    def update_noise_scale(self, probe: GradProbe | None, scale: float, grad_norm: float) -> None:
+        """Small/big batch pair of a full window -> the noise scale's |G|^2 and tr(Sigma) estimates.
+
+        One process: each micro-batch's own gradient (B_small = micro-batch) from GradProbe. DDP: each
+        rank's local window gradient, read by the comm hook just before the all-reduce (B_small =
+        micro-batch x accumulate_every), so world_size x 1 is measurable too. Big = the window's gradient.
+        """
+        b = self.budget
+        if probe is not None:
+            total, count = probe.total()
+            b_small = b.micro_batch
+        else:
+            mine = self.local_grad.total() / scale ** 2
+            total, count = all_reduce_sum([mine, 1.0], self.rt)
+            b_small = b.micro_batch * b.accumulate_every
+        if count > 0:
+            self.gns.update([total / count], b_small, grad_norm ** 2, b.effective_batch)
 
     def optimizer_step(self, n_window: int) -> tuple[float, bool]:
         """Once per window: LR, unscale, clip (norm logged before clipping), step, EMA."""
@@ -184,7 +218,7 @@ class Trainer:
     # --- validation -------------------------------------------------------------------------------
     def validation_loss(self) -> float:
         """EMA model's loss on the held-out subjects with fixed (t, noise) draws: comparable across runs."""
-        return diffusion.validation_loss(self.ema.module, self.inferer, self.scheduler, self.cache, self.val_rows,
+        return objective.validation_loss(self.ema.module, self.inferer, self.scheduler, self.cache, self.val_rows,
                                          self.val_set, self.p.diffusion, self.rt.device, self.rt.autocast)
 
     # --- checkpoints ------------------------------------------------------------------------------
@@ -218,20 +252,55 @@ class GradProbe:
 
     The running .grad holds the sum over earlier micro-batches, so g_j is the difference between
     .grad after and before micro-batch j, divided by the factor that micro-batch's loss carried.
+    Everything stays on the device: the copy of .grad goes into buffers allocated once, and the sum
+    of squared norms is a device tensor read once per optimizer step (`total`), not once per
+    parameter tensor per micro-batch (a host sync each on a GPU).
     """
 
     def __init__(self, net: torch.nn.Module):
         self.params = [p for p in net.parameters() if p.requires_grad]
         self.before: list[torch.Tensor] | None = None
-        self.sq_norms: list[float] = []
+        self.sq_sum: torch.Tensor | None = None
+        self.count = 0
 
     @torch.no_grad()
     def record(self, loss_factor: float) -> None:
         now = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         diff = now if self.before is None else torch._foreach_sub(now, self.before)
-        sq = float(sum(float(n) ** 2 for n in torch._foreach_norm(diff)))
-        self.sq_norms.append(sq / loss_factor ** 2)
-        self.before = [g.clone() for g in now]
+        norms = torch._foreach_norm(diff)
+        sq = torch.stack([n.double() for n in norms]).square().sum() / loss_factor ** 2
+        self.sq_sum = sq if self.sq_sum is None else self.sq_sum + sq
+        self.count += 1
+        if self.before is None:
+            self.before = [g.clone() for g in now]
+        else:
+            torch._foreach_copy_(self.before, now)
+
+    def total(self) -> tuple[float, int]:
+        """(sum of the micro-batches' |g_j|^2, how many): the step's one host read."""
+        return (float(self.sq_sum) if self.sq_sum is not None else 0.0), self.count
+
+
+class LocalGradNorm:
+    """DDP comm hook state: |g_rank|^2 of this rank's local (accumulated) gradient, summed over DDP's
+    buckets just before each is all-reduced; kept on the device until the step reads it."""
+
+    def __init__(self):
+        self.sq: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.sq = None
+
+    def total(self) -> float:
+        return float(self.sq) if self.sq is not None else 0.0
+
+    @staticmethod
+    def hook(state: "LocalGradNorm", bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        sq = bucket.buffer().double().square().sum()
+        state.sq = sq if state.sq is None else state.sq + sq
+        return default_hooks.allreduce_hook(None, bucket)
 
 
 def due(step: int, every: int, last: int) -> bool:

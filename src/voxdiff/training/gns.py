@@ -87,6 +87,8 @@ class GradientNoiseScale:
 
 def not_measurable_reason(accumulate_every: int, world_size: int) -> str | None:
     """Why the noise scale cannot be measured with this setting, or None when it can."""
+    # DDP with accumulate_every 1 is measurable: each rank's local gradient (read before the
+    # all-reduce by a comm hook) is the small batch, the all-reduced gradient the big one.
     if accumulate_every * world_size <= 1:
         return (f"accumulate_every x world_size = {accumulate_every * world_size}: no small/big batch "
                 "pair, gradient noise scale not measurable")

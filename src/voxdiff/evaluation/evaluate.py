@@ -10,7 +10,11 @@ Metrics (volumes in the cache's [-1, 1] scale; "brain" = label > 0):
   eval_val_loss            the EMA model's loss on training's fixed validation draws (train.val_seed,
                            train.val_draws): on the CPU it equals train.json's final_val_loss
   eval_ssim / _psnr / _mae fidelity of each sample against its subject's real volume: PSNR and MAE over
-                           the brain; SSIM (MONAI SSIMMetric, 3D) with out-of-brain voxels set to -1 in both
+                           the brain; SSIM (MONAI's 3D SSIM map) averaged over windows centred in the brain
+  eval_<m>_floor_noise     the same metric for two reference predictors on the same subjects: clamped
+  eval_<m>_floor_tissue_mean  Gaussian noise, and the "tissue-mean" image (each voxel = the training
+                           subjects' mean intensity of its class); eval_beats_floors = 1 when the
+                           samples beat both on SSIM, PSNR and MAE
   eval_msssim_samples      diversity: MS-SSIM between samples of the same label map (needs
                            samples_per_condition >= 2); 1 = identical, mode collapse
   eval_msssim_real         the same between real volumes of different validation subjects, for scale
@@ -39,11 +43,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint, diffusion, sampling
-from .cache import ProcessedCache, open_cache
-from .errors import VoxdiffError
-from .fsutil import atomic_path, sha256_file, write_json
-from .params import Params
+from voxdiff.training import checkpoint
+
+from voxdiff.diffusion import objective
+
+from voxdiff.diffusion import sampling
+from voxdiff.data.cache import ProcessedCache, open_cache
+from voxdiff.errors import VoxdiffError
+from voxdiff.fsutil import atomic_path, sha256_file, write_json
+from voxdiff.params import Params
 
 DATA_RANGE = 2.0  # the cache's intensities span [-1, 1]
 MAX_MONTAGE_SAMPLES = 6
@@ -73,12 +81,31 @@ def _odd_at_most(n: int, cap: int = 11) -> int:
     return k if k % 2 else k - 1
 
 
-def ssim_metric(shape):
-    """MONAI's 3D SSIM with the standard 11-voxel window (sigma 1.5), shrunk for grids under 11 voxels."""
-    from monai.metrics import SSIMMetric
+class BrainSSIM:
+    """3D SSIM averaged over windows centred in the brain only.
 
-    k = max(1, _odd_at_most(min(shape)))
-    return SSIMMetric(spatial_dims=3, data_range=DATA_RANGE, win_size=k, kernel_sigma=1.5 * k / 11)
+    MONAI computes the SSIM map (compute_ssim_and_cs, Gaussian window 11 voxels, sigma 1.5, shrunk
+    for grids under 11 voxels); we average it over brain centres. Averaging over the whole grid
+    (as SSIMMetric does) lets the ~75 % background, identical in both volumes, flatter any sample:
+    pure noise scored 0.22-0.42 that way and scores ~0 here.
+    """
+
+    def __init__(self, shape):
+        self.k = max(1, _odd_at_most(min(shape)))
+
+    def __call__(self, x: np.ndarray, y: np.ndarray, brain: np.ndarray) -> float:
+        from monai.metrics.regression import compute_ssim_and_cs
+
+        k, r = self.k, self.k // 2
+        smap, _ = compute_ssim_and_cs(_vol(x), _vol(y), spatial_dims=3, kernel_size=[k] * 3,
+                                      kernel_sigma=[1.5 * k / 11] * 3, data_range=DATA_RANGE)
+        centres = brain[tuple(slice(r, n - r) for n in brain.shape)] if r else brain
+        values = smap[0, 0].numpy()[centres]
+        return float(values.mean()) if values.size else float("nan")
+
+
+def ssim_metric(shape) -> BrainSSIM:
+    return BrainSSIM(shape)
 
 
 def msssim_config(shape) -> tuple[int, int, tuple[float, ...]]:
@@ -119,15 +146,49 @@ def masked(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:
     return np.where(brain, volume, -1.0).astype(np.float32)
 
 
-def fidelity(sample: np.ndarray, real: np.ndarray, brain: np.ndarray, ssim) -> dict:
-    """SSIM (out-of-brain = -1 in both), PSNR and MAE over the brain, of one sample against the real volume."""
+def fidelity(sample: np.ndarray, real: np.ndarray, brain: np.ndarray, ssim: BrainSSIM) -> dict:
+    """SSIM (windows centred in the brain), PSNR and MAE over the brain, of one sample against the real volume."""
     diff = (sample - real)[brain].astype(np.float64)
     mse = float(np.mean(diff ** 2)) if diff.size else float("nan")
     return {
-        "ssim": float(ssim(_vol(masked(sample, brain)), _vol(masked(real, brain))).mean()),
+        "ssim": ssim(sample, real, brain),
         "psnr": 10 * math.log10(DATA_RANGE ** 2 / mse) if mse > 0 else float("inf"),
         "mae": float(np.mean(np.abs(diff))) if diff.size else float("nan"),
     }
+
+
+def tissue_mean_image(cache: ProcessedCache, label: np.ndarray) -> np.ndarray:
+    """The lookup-table predictor: each voxel = the training subjects' mean intensity of its class."""
+    rows = cache.split_indices("train")
+    table = np.zeros(cache.num_classes, np.float32)
+    for c in range(cache.num_classes):
+        total, count = 0.0, 0
+        for r in rows:
+            sel = np.asarray(cache.labels[r]) == c
+            total += float(np.asarray(cache.images[r], np.float64)[sel].sum())
+            count += int(sel.sum())
+        table[c] = total / count if count else -1.0
+    return table[label.astype(np.int64)]
+
+
+def noise_image(shape, seed: int) -> np.ndarray:
+    """The no-model predictor: standard Gaussian noise clamped to [-1, 1], as a sampler's output is."""
+    g = torch.Generator().manual_seed(objective.stream_seed(seed, 0xF100))
+    return torch.randn(tuple(shape), generator=g).clamp(-1, 1).numpy()
+
+
+def fidelity_floors(subjects: list[dict], cache: ProcessedCache, ssim: BrainSSIM, seed: int) -> dict:
+    """eval_{ssim,psnr,mae}_floor_{noise,tissue_mean}: the fidelity metrics of the two reference
+    predictors on the same validation subjects, so a reader sees whether the model beats them."""
+    floors: dict = {}
+    for name in ("noise", "tissue_mean"):
+        scores = []
+        for s, e in enumerate(subjects):
+            x = noise_image(e["real"].shape, seed + s) if name == "noise" else tissue_mean_image(cache, e["label"])
+            scores.append(fidelity(x, e["real"], e["label"] > 0, ssim))
+        for k in ("ssim", "psnr", "mae"):
+            floors[f"eval_{k}_floor_{name}"] = float(np.mean([f[k] for f in scores]))
+    return floors
 
 
 def pairwise_msssim(volumes: list[np.ndarray], metric, max_pairs: int | None = None) -> float | None:
@@ -215,7 +276,7 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     for key in ("samples", "metrics", "plots"):
         _writable(out[key])
 
-    from .distributed import Runtime, pick_device, pick_precision
+    from voxdiff.training.distributed import Runtime, pick_device, pick_precision
 
     device = pick_device(params.train.device)
     net, _, diff_p = sampling.load_ema_network(state, device, source=out["checkpoint"], num_classes=cache.num_classes)
@@ -225,13 +286,13 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     interactive = sys.stderr.isatty() if progress is None else progress
 
     # 1. The convergence signal of training, recomputed for the weights being evaluated.
-    from .model import build_inferer, build_scheduler
+    from voxdiff.diffusion.model import build_inferer, build_scheduler
 
     rt = Runtime(device, 0, 1, pick_precision(params.train.precision, device), False)
-    draws = diffusion.val_draws(params.train.val_seed, len(val_rows), params.train.val_draws, diff_p.timesteps,
+    draws = objective.val_draws(params.train.val_seed, len(val_rows), params.train.val_draws, diff_p.timesteps,
                                 (1, *shape))
     scheduler = build_scheduler(diff_p)
-    val_loss = diffusion.validation_loss(net, build_inferer(scheduler), scheduler, cache, val_rows, draws, diff_p,
+    val_loss = objective.validation_loss(net, build_inferer(scheduler), scheduler, cache, val_rows, draws, diff_p,
                                          device, rt.autocast)
 
     # 2. Sampling.
@@ -251,13 +312,15 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
             real = np.asarray(cache.images[r], np.float32)
             cond = torch.from_numpy(label.astype(np.int64))[None].expand(K, *shape)
             gen = sampling.generate(net, diff_p, cond, C, ev.sampling_steps, params.seed, "ddim",
-                                    progress=interactive, subject=s, sample_index=0, record=records)
+                                    progress=interactive, subject=s, sample_index=0, record=records,
+                                    autocast=rt.autocast)
             bar.update(K)
             entry = {"row": int(r), "id": cache.subjects[r]["id"], "label": label, "real": real,
                      "samples": [g[0].numpy() for g in gen], "ancestral": None}
             if ev.ancestral:  # starts from the same noise as DDIM sample 0: a paired comparison
                 a = sampling.generate(net, diff_p, cond[:1], C, ev.sampling_steps, params.seed, "ancestral",
-                                      progress=interactive, subject=s, sample_index=0, record=records_a)
+                                      progress=interactive, subject=s, sample_index=0, record=records_a,
+                                      autocast=rt.autocast)
                 entry["ancestral"] = a[0, 0].numpy()
                 bar.update(1)
             subjects.append(entry)
@@ -265,6 +328,8 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
         bar.close()
 
     metrics = measure(subjects, cache, val_rows, C, keys, shape)
+    metrics.update(fidelity_floors(subjects, cache, ssim_metric(shape), params.seed))
+    metrics["eval_beats_floors"] = int(beats_floors(metrics))
     metrics = {"eval_val_loss": val_loss, **metrics,
                "eval_seconds_per_volume": float(np.mean([x["seconds"] for x in records])),
                "eval_peak_memory_mb": float(max(x["peak_memory_mb"] for x in records)),
@@ -273,8 +338,8 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
                "eval_checkpoint_samples_seen": int(state.get("samples_seen", 0))}
     if ev.ancestral:
         ssim = ssim_metric(shape)
-        metrics["eval_ssim_ancestral"] = float(np.mean([
-            fidelity(e["ancestral"], e["real"], e["label"] > 0, ssim)["ssim"] for e in subjects]))
+        metrics["eval_ssim_ancestral"] = float(np.mean([ssim(e["ancestral"], e["real"], e["label"] > 0)
+                                                        for e in subjects]))
         metrics["eval_seconds_per_volume_ancestral"] = float(np.mean([x["seconds"] for x in records_a]))
         metrics["eval_peak_memory_mb_ancestral"] = float(max(x["peak_memory_mb"] for x in records_a))
         metrics["eval_ancestral_steps"] = records_a[0]["steps"]
@@ -286,10 +351,18 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     with _writing(out["metrics"]):
         write_json(out["metrics"], metrics)
     log_to_mlflow(params, root, out, state, metrics)
-    say(f"SSIM {_fmt(metrics['eval_ssim'], 3)}, PSNR {_fmt(metrics['eval_psnr'], 1)} dB, "
+    say(f"SSIM {_fmt(metrics['eval_ssim'], 3)} (floors: noise {_fmt(metrics['eval_ssim_floor_noise'], 3)}, "
+        f"tissue-mean {_fmt(metrics['eval_ssim_floor_tissue_mean'], 3)}), PSNR {_fmt(metrics['eval_psnr'], 1)} dB, "
         f"MAE {_fmt(metrics['eval_mae'], 3)}, contrast order {'kept' if metrics['eval_contrast_order_ok'] else 'NOT kept'}, "
         f"{metrics['eval_seconds_per_volume']:.2f} s/volume -> {out['metrics']}")
     return metrics
+
+
+def beats_floors(m: dict) -> bool:
+    """SSIM and PSNR above, MAE below, both reference predictors."""
+    return all(m[f"eval_{k}"] is not None and (m[f"eval_{k}"] < m[f"eval_{k}_floor_{f}"] if k == "mae"
+                                               else m[f"eval_{k}"] > m[f"eval_{k}_floor_{f}"])
+               for k in ("ssim", "psnr", "mae") for f in ("noise", "tissue_mean"))
 
 
 def _fmt(value, digits: int) -> str:
@@ -366,7 +439,7 @@ def montage(path: Path, e: dict, class_names: list[str]) -> None:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    from .preprocess import mid_slices
+    from voxdiff.data.preprocess import mid_slices
 
     rows = [("label map", e["label"]), ("real", e["real"])]
     for k, x in enumerate(e["samples"][:MAX_MONTAGE_SAMPLES]):
@@ -402,7 +475,7 @@ def montage(path: Path, e: dict, class_names: list[str]) -> None:
 
 def log_to_mlflow(params: Params, root: Path, out: dict, state: dict, metrics: dict) -> None:
     """Into the training's run (id from metrics/train.json, else the checkpoint); problems only warn."""
-    from .tracking import open_existing
+    from voxdiff.tracking.runs import open_existing
 
     run_id = ""
     try:

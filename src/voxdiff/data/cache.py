@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError
+from voxdiff.errors import DataError
 
 FORMAT_VERSION = 1
 

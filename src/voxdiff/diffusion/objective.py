@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import torch
 
-from .model import one_hot
+from voxdiff.diffusion.model import one_hot
 
 
 def stream_seed(*words: int) -> int:
@@ -58,11 +58,13 @@ def val_draws(val_seed: int, n_subjects: int, per_subject: int, timesteps: int, 
 
 
 def per_sample_loss(net, inferer, scheduler, images, labels, noise, timesteps, num_classes: int,
-                    prediction: str, loss: str) -> torch.Tensor:
-    """Loss of each sample in the batch, shape [B]: mean over voxels of |pred - target| (l1) or squared."""
+                    diffusion_params) -> torch.Tensor:
+    """Loss of each sample in the batch, shape [B]: mean over voxels of |pred - target| (l1) or squared,
+    times the min-SNR-gamma weight when diffusion.min_snr_gamma > 0."""
     condition = one_hot(labels, num_classes)
     pred = inferer(inputs=images, diffusion_model=net, noise=noise, timesteps=timesteps,
                    condition=condition, mode="concat")
+    prediction = diffusion_params.prediction
     if prediction == "epsilon":
         target = noise
     elif prediction == "sample":
@@ -70,8 +72,22 @@ def per_sample_loss(net, inferer, scheduler, images, labels, noise, timesteps, n
     else:  # v_prediction
         target = scheduler.get_velocity(images, noise, timesteps)
     err = (pred.float() - target.float())
-    err = err.abs() if loss == "l1" else err.square()
-    return err.flatten(1).mean(dim=1)
+    err = err.abs() if diffusion_params.loss == "l1" else err.square()
+    loss = err.flatten(1).mean(dim=1)
+    if diffusion_params.min_snr_gamma > 0:
+        loss = loss * min_snr_weight(scheduler, timesteps, prediction, diffusion_params.min_snr_gamma)
+    return loss
+
+
+def min_snr_weight(scheduler, timesteps: torch.Tensor, prediction: str, gamma: float) -> torch.Tensor:
+    """Min-SNR-gamma loss weight (Hang et al., ICCV 2023), written for each prediction target so that all
+    three equal the x0 loss weighted by min(SNR, gamma): epsilon min(SNR, g)/SNR, sample min(SNR, g),
+    v min(SNR, g)/(SNR + 1). It stops the easy low-noise steps from dominating the gradient."""
+    abar = scheduler.alphas_cumprod.to(timesteps.device)[timesteps].double()
+    snr = abar / (1 - abar)
+    clipped = torch.clamp(snr, max=gamma)
+    weight = {"epsilon": clipped / snr, "sample": clipped, "v_prediction": clipped / (snr + 1)}[prediction]
+    return weight.float()
 
 
 @torch.no_grad()
@@ -89,6 +105,6 @@ def validation_loss(net, inferer, scheduler, cache, val_rows, draws, diffusion_p
         noise = torch.stack([d[2] for d in part]).to(device)
         with autocast():
             losses = per_sample_loss(net, inferer, scheduler, images, labels, noise, t, cache.num_classes,
-                                     diffusion_params.prediction, diffusion_params.loss)
+                                     diffusion_params)
         total += float(losses.double().sum())
     return total / len(draws)

@@ -8,7 +8,6 @@ mapped back onto the label map's own grid (its affine and shape) and written as 
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -20,18 +19,6 @@ import click
 DEFAULT_STEPS = 50
 
 
-def _user_errors(fn):
-    """voxdiff.cli.user_errors, looked up at call time: cli imports this module to register the command."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from .cli import user_errors
-
-        return user_errors(fn)(*args, **kwargs)
-
-    return wrapper
-
-
 def _nifti_suffix(path: Path) -> bool:
     return path.name.endswith((".nii", ".nii.gz"))
 
@@ -40,8 +27,8 @@ def _settings(params_path: Path | None):
     """(default steps, default seed, device request) from params.yaml: the given file, else the project's
     params.yaml when there is one, else built-in defaults. The network, diffusion schedule, preprocessing
     and label values always come from the checkpoint."""
-    from .fsutil import repo_root
-    from .params import load
+    from voxdiff.fsutil import repo_root
+    from voxdiff.params import load
 
     if params_path is None:
         candidate = repo_root() / "params.yaml"
@@ -59,11 +46,15 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     import numpy as np
     import torch
 
-    from . import checkpoint, nifti, sampling
-    from .distributed import pick_device
-    from .errors import VoxdiffError
-    from .fsutil import atomic_path
-    from .preprocess import preprocess_label, to_original_grid
+    from voxdiff.training import checkpoint
+
+    from voxdiff.data import nifti
+
+    from voxdiff.diffusion import sampling
+    from voxdiff.training.distributed import pick_device
+    from voxdiff.errors import VoxdiffError
+    from voxdiff.fsutil import atomic_path
+    from voxdiff.data.preprocess import preprocess_label, to_original_grid
 
     checkpoint_path, label_path, out_path = Path(checkpoint_path), Path(label_path), Path(out_path)
     if not _nifti_suffix(out_path):
@@ -133,7 +124,6 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default=None,
               help="params.yaml for the defaults above and train.device (default: the project's, if any).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
-@_user_errors
 def sample_command(checkpoint_path, label_path, out_path, steps, seed, sampler, params_path, progress):
     """Generate an MRI volume for LABEL with a trained checkpoint and write it to OUT on the label
     map's own grid. The model, noise schedule, preprocessing and label values come from the checkpoint."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .fsutil import repo_root
-from .params import Params
+from voxdiff.fsutil import repo_root
+from voxdiff.params import Params
 
 
 def resolve_tracking_uri(params: Params | None = None, root: str | os.PathLike | None = None) -> str:

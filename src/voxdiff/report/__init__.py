@@ -1,0 +1,1 @@
+"""Reports across runs: `voxdiff compare` and the figures."""

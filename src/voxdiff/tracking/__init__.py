@@ -1,0 +1,1 @@
+"""MLflow: where runs live (uri) and one run per training (runs)."""

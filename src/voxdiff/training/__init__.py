@@ -1,0 +1,1 @@
+"""Training: budget/LR/EMA schedules, the exact-accumulation trainer, checkpoints, DDP runtime, noise scale, the stage."""

@@ -1,0 +1,201 @@
+"""What training holds fixed across accumulate_every, and how it stops: validation counted in samples,
+the EMA half-life in force, Adam's SDE scaling rule, the noise-scale wiring through Trainer against an
+analytic truth, one host read per step for the probe, and Ctrl-C at a window boundary."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, make_params
+from voxdiff.training import trainer as trainer_mod
+from voxdiff.data.cache import open_cache
+from voxdiff.training.distributed import init_runtime
+from voxdiff.params import validate
+from voxdiff.training.schedule import adam_settings, ema_halflife, ema_rampup_end, plan_budget
+from voxdiff.training.train import run_training
+from voxdiff.training.trainer import GradProbe, Trainer
+
+
+def val_samples(root: Path) -> list[int]:
+    with open(root / "metrics" / "val_curve.tsv") as fh:
+        return [int(r["samples_seen"]) for r in csv.DictReader(fh, delimiter="\t")]
+
+
+# --- validation at equal samples ------------------------------------------------------------------
+@pytest.mark.parametrize("batch,k,expected", [(1, 1, [4, 8, 12, 16]), (1, 4, [4, 8, 12, 16]), (2, 4, [8, 16])])
+def test_validation_is_counted_in_samples(tiny_root, batch, k, expected):
+    """val_every_samples=4: every run validates at the same samples (k=1 and k=4 alike); an effective
+    batch larger than the cadence validates after every step."""
+    p = make_params({"train.max_samples": 16, "train.batch_size": batch, "train.accumulate_every": k,
+                     "train.val_every_samples": 4, "train.checkpoint_every": 100})
+    run_training(p, tiny_root, progress=False)
+    assert val_samples(tiny_root) == expected
+
+
+# --- EMA half-life --------------------------------------------------------------------------------
+@pytest.mark.parametrize("params_file", ["params.yaml", "params-gpu.yaml"])
+def test_shipped_ema_halflife_takes_effect_early(params_file):
+    """The configured half-life is in force from at most a quarter of the budget on (before the fix the
+    demo's stayed at 0.05 x samples seen, at most 25.6 of its 64 samples, for the whole run)."""
+    p = validate(yaml.safe_load((REPO / params_file).read_text()))
+    t = p.train
+    total = plan_budget(t, 1).total_samples
+    assert ema_rampup_end(t) <= 0.25 * total
+    assert ema_halflife(t, int(ema_rampup_end(t)) + 1) == t.ema_halflife_samples
+    assert ema_halflife(t, total) == t.ema_halflife_samples
+
+
+def test_effective_ema_halflife_is_logged(tiny_root):
+    p = make_params({"train.max_samples": 16, "train.ema_halflife_samples": 2.0, "train.ema_rampup_ratio": 0.5})
+    run_training(p, tiny_root, progress=False)
+    with open(tiny_root / "metrics" / "train_curve.tsv") as fh:
+        rows = list(csv.DictReader(fh, delimiter="\t"))
+    assert [float(r["ema_halflife"]) for r in rows][:3] == [1.0, 2.0, 2.0]  # 0.5 x 2, then capped at 2
+
+
+# --- Adam's SDE scaling rule ----------------------------------------------------------------------
+def test_adam_sde_rule_known_numbers():
+    """kappa = 16 / 4 = 4: lr x 2, 1 - beta x 4, eps / 2 (Malladi et al. 2022)."""
+    t = make_params({"train.lr": 1.0e-4, "train.reference_batch": 4, "train.lr_scaling": "sde",
+                     "train.adam_betas": [0.9, 0.999], "train.adam_eps": 1.0e-8}).train
+    a = adam_settings(t, 16)
+    assert a.lr == pytest.approx(2e-4)
+    assert a.betas == pytest.approx((0.6, 0.996))
+    assert a.eps == pytest.approx(0.5e-8)
+    # At the reference batch nothing changes; sqrt scales the lr only.
+    assert adam_settings(t, 4).betas == pytest.approx((0.9, 0.999))
+    sqrt = make_params({"train.lr": 1.0e-4, "train.reference_batch": 4, "train.lr_scaling": "sqrt"}).train
+    assert adam_settings(sqrt, 16).betas == pytest.approx((0.9, 0.999))
+
+
+def test_adam_sde_rule_reaches_the_optimizer_and_refuses_negative_betas(tiny_root):
+    from voxdiff.errors import ParamsError
+
+    p = make_params({"train.batch_size": 2, "train.accumulate_every": 2, "train.reference_batch": 1,
+                     "train.lr_scaling": "sde", "train.adam_betas": [0.9, 0.99]})
+    tr = Trainer(p, tiny_root, init_runtime("cpu", "fp32"), open_cache(tiny_root / "data" / "processed"))
+    assert tr.opt.param_groups[0]["betas"] == pytest.approx((0.6, 0.96))
+    bad = make_params({"train.batch_size": 2, "train.accumulate_every": 8, "train.reference_batch": 1,
+                       "train.lr_scaling": "sde"})
+    with pytest.raises(ParamsError, match="train.lr_scaling=sde"):
+        Trainer(bad, tiny_root, init_runtime("cpu", "fp32"), open_cache(tiny_root / "data" / "processed"))
+
+
+# --- the trainer's noise-scale wiring against an analytic truth -------------------------------------
+class ConstantPrediction(torch.nn.Module):
+    """A 'network' whose prediction is a learnable constant volume w, whatever its input.
+
+    With epsilon prediction and the l2 loss, sample i's loss is mean_v (w_v - eps_iv)^2 over d voxels,
+    so its gradient is 2 (w - eps_i) / d: G = 2 w / d and Sigma = (4 / d^2) I, hence
+    B_simple = tr(Sigma) / |G|^2 = d / |w|^2 = 1 / c^2 for w = c everywhere.
+    """
+
+    def __init__(self, shape, c: float):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((1, 1, *shape), c))
+
+    def forward(self, x, timesteps=None, context=None):
+        return self.w.expand(x.shape[0], *self.w.shape[1:])
+
+
+@pytest.mark.parametrize("c,batch,k", [(0.5, 1, 4), (0.25, 2, 2)])
+def test_trainer_noise_scale_matches_analytic_truth(tiny_root, monkeypatch, c, batch, k):
+    shape = (16, 16, 16)
+    monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes: ConstantPrediction(shape, c))
+    p = make_params({"train.batch_size": batch, "train.accumulate_every": k, "train.max_steps": 60,
+                     "train.max_samples": 0, "train.lr": 1.0e-12, "train.warmup_samples": 0,
+                     "train.grad_clip": 0.0, "train.gns_smoothing": 0.9, "diffusion.prediction": "epsilon",
+                     "diffusion.loss": "l2"})
+    tr = Trainer(p, tiny_root, init_runtime("cpu", "fp32"), open_cache(tiny_root / "data" / "processed"))
+    for _ in range(60):
+        rec = tr.train_step()
+    truth = 1 / c ** 2
+    assert rec["gns"] == pytest.approx(truth, rel=0.1)
+    # Control: the same trainer with the loss factor the probe divides by left out is far off.
+    monkeypatch.setattr(GradProbe, "record", lambda self, f, _real=GradProbe.record: _real(self, 1.0))
+    tr2 = Trainer(p, tiny_root, init_runtime("cpu", "fp32"), open_cache(tiny_root / "data" / "processed"))
+    for _ in range(60):
+        rec2 = tr2.train_step()
+    assert not rec2["gns"] == pytest.approx(truth, rel=0.5)
+
+
+def test_probe_reads_the_device_once_per_step(tiny_root, monkeypatch):
+    """GradProbe keeps its sums on the device: no host read while recording micro-batches, one per step
+    (before: one float() per parameter tensor per micro-batch, a GPU sync each)."""
+    p = make_params({"train.batch_size": 1, "train.accumulate_every": 4, "train.max_steps": 1, "train.max_samples": 0})
+    tr = Trainer(p, tiny_root, init_runtime("cpu", "fp32"), open_cache(tiny_root / "data" / "processed"))
+    reads = {"record": 0, "total": 0}
+    where = {"now": None}
+    real_float, real_item = torch.Tensor.__float__, torch.Tensor.item
+
+    def counting_float(self):
+        if where["now"]:
+            reads[where["now"]] += 1
+        return real_float(self)
+
+    def counting_item(self):
+        if where["now"]:
+            reads[where["now"]] += 1
+        return real_item(self)
+
+    def tracked(name, real):
+        def wrapped(self, *a, **kw):
+            where["now"] = name
+            try:
+                return real(self, *a, **kw)
+            finally:
+                where["now"] = None
+        return wrapped
+
+    monkeypatch.setattr(torch.Tensor, "__float__", counting_float)
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    monkeypatch.setattr(GradProbe, "record", tracked("record", GradProbe.record))
+    monkeypatch.setattr(GradProbe, "total", tracked("total", GradProbe.total))
+    tr.train_step()
+    assert reads == {"record": 0, "total": 1}
+
+
+# --- Ctrl-C ---------------------------------------------------------------------------------------
+def test_ctrl_c_during_validation_resumes_exactly(tiny_root, tmp_path, monkeypatch):
+    """SIGINT arrives in the middle of a validation: training finishes that step (validation included),
+    saves, stops; the rerun resumes and ends with the same weights and history as an uninterrupted run."""
+    cfg = {"train.max_samples": 24, "train.batch_size": 1, "train.accumulate_every": 2,
+           "train.val_every_samples": 4, "train.checkpoint_every": 100}
+    ref_root = tmp_path / "ref"
+    ref_root.mkdir()
+    (ref_root / "data").symlink_to(tiny_root / "data")
+    run_training(make_params(cfg), ref_root, progress=False)
+    ref = torch.load(ref_root / "models" / "checkpoint.pt", weights_only=True)
+
+    real_validation = Trainer.validation_loss
+    calls = {"n": 0}
+
+    def interrupted_validation(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # lands inside validation
+        return real_validation(self)
+
+    monkeypatch.setattr(Trainer, "validation_loss", interrupted_validation)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params(cfg), tiny_root, progress=False)
+    stopped = torch.load(tiny_root / "models" / "checkpoint.pt", weights_only=True)
+    assert stopped["step"] == 4 and not stopped["finished"]
+    assert stopped["history"][-1]["val_loss"] is not None  # the interrupted validation was completed
+
+    monkeypatch.setattr(Trainer, "validation_loss", real_validation)
+    run_training(make_params(cfg), tiny_root, progress=False)
+    done = torch.load(tiny_root / "models" / "checkpoint.pt", weights_only=True)
+    assert all(torch.equal(ref["model"][k], done["model"][k]) for k in ref["model"])
+    drop = ("wall_time", "samples_per_s", "peak_memory_mb", "timestamp")
+    strip = lambda h: [{k: v for k, v in r.items() if k not in drop} for r in h]  # noqa: E731
+    assert strip(ref["history"]) == strip(done["history"])
+    assert math.isfinite(done["history"][-1]["val_loss"])
