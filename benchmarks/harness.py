@@ -61,8 +61,8 @@ def data_root(raw: dict) -> Path:
 
     Kept between runs (keyed by the params that shape the data) so a rerun does not pay for it again.
     """
-    from voxdiff.prepare import run_prepare
-    from voxdiff.preprocess import run_preprocess
+    from voxdiff.data.prepare import run_prepare
+    from voxdiff.data.preprocess import run_preprocess
 
     params = validated(raw)
     raw_root = SCRATCH / f"raw-{_key(raw, ('seed', 'data'))}"
@@ -155,8 +155,8 @@ class Ctx:
     """What every benchmark needs: base params, the scratch data, the runtime and the profile."""
 
     def __init__(self, raw: dict, device: str, precision: str, compile_: bool, profile: dict):
-        from voxdiff.cache import open_cache
-        from voxdiff.distributed import init_runtime
+        from voxdiff.data.cache import open_cache
+        from voxdiff.training.distributed import init_runtime
 
         self.raw = with_overrides(raw, {"train.device": device, "train.precision": precision})
         self.base = validated(self.raw)
@@ -170,7 +170,7 @@ class Ctx:
     @functools.cached_property
     def param_mb(self) -> float:
         """Size of the network's parameters in fp32 (one copy: weights, .grad, each Adam moment...)."""
-        from voxdiff.model import build_network
+        from voxdiff.diffusion.model import build_network
 
         net = build_network(self.base.model, self.cache.num_classes)
         return sum(p.numel() for p in net.parameters()) * 4 / 2**20
@@ -182,7 +182,7 @@ class Ctx:
                 root: Path | None = None):
         """A voxdiff Trainer (params.yaml's micro-batch and accumulation unless given), compiled with --compile."""
         import torch
-        from voxdiff.trainer import Trainer
+        from voxdiff.training.trainer import Trainer
 
         t = self.base.train
         params = self.params({**step_budget(b or t.batch_size, k or t.accumulate_every), **(overrides or {})})
@@ -274,7 +274,7 @@ def run_worker(job: dict, timeout: float = 900) -> dict:
 
 def peak_rss_mb() -> float:
     """Peak RSS of this process image (VmHWM, not the execve-inherited ru_maxrss)."""
-    from voxdiff.distributed import peak_memory_mb
+    from voxdiff.training.distributed import peak_memory_mb
 
     return peak_memory_mb(None)
 
@@ -285,9 +285,9 @@ def worker_main(job: dict) -> None:
 
     import psutil
     import torch
-    from voxdiff.cache import open_cache
-    from voxdiff.distributed import init_runtime
-    from voxdiff.trainer import Trainer  # every import before the baseline is taken
+    from voxdiff.data.cache import open_cache
+    from voxdiff.training.distributed import init_runtime
+    from voxdiff.training.trainer import Trainer  # every import before the baseline is taken
 
     rt = init_runtime(job["device"], job["precision"])
     cuda = rt.device.type == "cuda"

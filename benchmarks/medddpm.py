@@ -61,7 +61,7 @@ class MedDDPMLoop:
     loss.item() per micro-batch, Adam step, EMA (a plain copy before step 2000) every 10 steps."""
 
     def __init__(self, params, rt, dataset: NiftiPairs, compile_: bool = False):
-        from voxdiff.model import build_inferer, build_network, build_scheduler
+        from voxdiff.diffusion.model import build_inferer, build_network, build_scheduler
 
         torch.manual_seed(params.seed)
         self.p, self.rt = params, rt

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-ORDER = ("memory", "accumulation", "data", "tracking", "gns", "sampling", "growth", "medddpm")
+ORDER = ("memory", "accumulation", "data", "tracking", "gns", "sampling", "growth", "medddpm", "speed")
 GPU_NOTE = ("`benchmarks/gpu.sh` runs this suite on CUDA at med-ddpm's size (params-gpu.yaml: 128^3, 64 base channels, "
             "batch 1, bf16 autocast), eager and with `torch.compile`. It has not been run: the machine that produced "
             "these results has no GPU.")
@@ -115,6 +115,9 @@ def markdown(results: dict) -> str:
             lines += [f"Failed: `{b['error']}`", ""]
             continue
         lines += [detail_table(b["rows"]), ""]
+        if b.get("efficiency"):
+            lines += ["Efficiency of the bare network (forward+backward) against the matmul peak:", "",
+                      detail_table(b["efficiency"]), ""]
         if b.get("fill"):
             lines += ["Single-batch throughput by micro-batch (does b fill the device?):", "", detail_table(b["fill"]), ""]
         notes = list(b.get("notes", [])) + [f"{g['name']}: {g['why']}" for g in b["goals"] if g["met"] is None and g["why"]]
