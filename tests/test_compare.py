@@ -229,7 +229,7 @@ def test_resolve_tracking_uri_rule(tmp_path, monkeypatch):
 def test_welch_and_holm_replace_two_standard_errors():
     """3 seeds a side, difference 0.2, spreads 0.1: the old 2 x pooled-SE rule (0.163) called this
     clearly different; Welch's t-test (df 4) gives p ~ 0.07, within seed noise."""
-    from voxdiff.report.compare import compare_means, holm
+    from voxdiff.report.statistics import compare_means, holm
 
     kind, diff, p = compare_means([1.2, 1.3, 1.4], [1.0, 1.1, 1.2])
     assert kind == "tested" and diff == pytest.approx(0.2) and 0.05 < p < 0.1
@@ -243,7 +243,7 @@ def test_welch_and_holm_replace_two_standard_errors():
 def test_target_crossing_is_interpolated_between_validations():
     import numpy as np
 
-    from voxdiff.report.compare import RunData
+    from voxdiff.report.loading import RunData
 
     r = RunData("r", {}, {}, {}, val_steps=np.array([1.0, 2.0, 4.0]), val_loss=np.array([1.0, 0.6, 0.2]),
                 val_samples=np.array([8.0, 16.0, 32.0]), val_wall=np.array([1.0, 2.0, np.nan]),
@@ -252,3 +252,68 @@ def test_target_crossing_is_interpolated_between_validations():
     assert r.crossing(0.4, r.val_steps) == pytest.approx(3.0)
     assert r.crossing(1.5, r.val_samples) == 8.0 and r.crossing(0.1, r.val_samples) is None
     assert math.isnan(r.crossing(0.4, r.val_wall))  # no wall time logged at the crossing: unknown
+
+
+# --- the run archive ------------------------------------------------------------------------------
+FIXTURE = Path(__file__).parent / "fixtures" / "archive"
+
+
+def test_export_writes_one_shareable_file_per_finished_run(store, tmp_path):
+    import json
+
+    from voxdiff.report.loading import open_client, write_archive
+
+    uri, client, ids = store
+    client.set_tag(ids[("noisy", 1, 0)], "mlflow.source.name", "/home/someone/voxdiff/stages/train.py")
+    written = write_archive(open_client(uri), "noisy", None, uri, tmp_path / "runs")
+    assert sorted(p.stem for p in written) == sorted(ids[("noisy", k, s)] for k in NOISY for s in range(len(NOISY[k])))
+    record = json.loads((tmp_path / "runs" / f"{ids[('noisy', 1, 0)]}.json").read_text())
+    assert record["params"]["train.accumulate_every"] == "1" and record["experiment"] == "noisy"
+    assert "mlflow.source.name" not in record["tags"] and record["tags"]["voxdiff.kind"] == "train"
+    rows = record["histories"]["val_loss"]
+    assert rows[0] == [8, 8.0, 4.0, pytest.approx(val_curve(1, NOISY[1][0])[0][1])]  # [step, samples, wall, value]
+    text = "".join(p.read_text() for p in written)
+    assert "/home/" not in text and str(tmp_path) not in text
+
+
+def test_report_from_the_archive_equals_the_report_from_mlflow(store, tmp_path):
+    from voxdiff.report.loading import open_client, write_archive
+
+    uri, _, _ = store
+    write_archive(open_client(uri), "clear", None, uri, tmp_path / "runs")
+    from_store = compare_runs(uri, "clear", tmp_path / "a" / "report.md", log=False).report_path.read_text()
+    from_archive = compare_runs(None, None, tmp_path / "b" / "report.md", runs_dir=tmp_path / "runs",
+                                root=tmp_path).report_path.read_text()
+    # Only the source line differs, and the store's warning about its unfinished run (never exported).
+    strip = lambda text: [l for l in text.splitlines()  # noqa: E731
+                          if not l.startswith(("Source: ", "- left out 1 unfinished run"))]
+    assert strip(from_store) == strip(from_archive)
+    assert "Source: the run archive `runs`" in from_archive and "Source: MLflow store `sqlite:///" in from_store
+    assert str(tmp_path) not in from_archive
+
+
+def test_committed_archive_fixture_rebuilds_its_report_byte_for_byte(tmp_path):
+    """tests/fixtures/archive holds exported runs and the report made from them: the CLI, with no MLflow
+    store anywhere, must rebuild it exactly (regenerate with tests/fixtures/make_archive.py)."""
+    out = tmp_path / "report.md"
+    result = CliRunner().invoke(compare_command, ["--runs", str(FIXTURE / "runs"), "--out", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    expected = (FIXTURE / "report.md").read_text()
+    rebuilt = out.read_text().replace(f"`{FIXTURE / 'runs'}`", "`tests/fixtures/archive/runs`")
+    assert rebuilt == expected
+
+
+def test_archive_filter_and_errors(tmp_path):
+    from voxdiff.report.compare import parse_param_filter
+
+    assert parse_param_filter("params.`train.lr_scaling` = 'none' and params.seed = '1'") == {
+        "train.lr_scaling": "none", "seed": "1"}
+    with pytest.raises(VoxdiffError, match="only params"):
+        parse_param_filter("metrics.val_loss < 1")
+    with pytest.raises(VoxdiffError, match="no archived runs"):
+        compare_runs(None, None, tmp_path / "r.md", runs_dir=tmp_path / "empty")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.json").write_text("{not json")
+    with pytest.raises(VoxdiffError, match="x.json: not a readable run archive"):
+        compare_runs(None, None, tmp_path / "r.md", runs_dir=tmp_path / "bad")

@@ -72,7 +72,8 @@ def main(debug: bool) -> None:
       voxdiff preprocess  reorient, resample, crop, normalise, split -> data/processed cache
       voxdiff train       3D conditional DDPM with exact gradient accumulation -> models/
       voxdiff evaluate    sample with the EMA model, fidelity/diversity/tissue metrics
-    Then: voxdiff compare (report across runs), voxdiff sample (your own label map),
+    Then: voxdiff compare (report across runs; --runs reads an archive), voxdiff export (runs -> archive),
+    voxdiff sample (your own label map),
     voxdiff metrics (the last run's figures), voxdiff doctor (environment for a bug report).
     All settings live in params.yaml.
     """
@@ -207,10 +208,10 @@ def metrics(root):
 
 def _register_optional() -> None:
     """Commands that live in their own modules. An import error there is a real bug: let it surface."""
-    from voxdiff.report.compare import compare_command
     from voxdiff.evaluation.sample import sample_command
+    from voxdiff.report.compare import compare_command, export_command
 
-    for name, command in (("compare", compare_command), ("sample", sample_command)):
+    for name, command in (("compare", compare_command), ("export", export_command), ("sample", sample_command)):
         command.callback = user_errors(command.callback)  # one-line errors, as every other command
         main.add_command(command, name)
 

@@ -21,3 +21,16 @@ def resolve_tracking_uri(params: Params | None = None, root: str | os.PathLike |
         return params.mlflow.tracking_uri.strip()
     base = Path(os.environ.get("DVC_ROOT") or root or repo_root()).resolve()
     return f"sqlite:///{base / 'mlflow.db'}"
+
+
+def display_uri(uri: str, root: str | os.PathLike | None = None) -> str:
+    """A tracking URI as a reader can use it: a SQLite store under the project as a relative path
+    (sqlite:///mlflow.db), never the absolute path of the machine that made a report."""
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        base = Path(os.environ.get("DVC_ROOT") or root or repo_root()).resolve()
+        try:
+            return f"sqlite:///{db.resolve().relative_to(base)}"
+        except ValueError:
+            return f"sqlite:///{db.name} (outside the project)"
+    return uri

@@ -1,0 +1,236 @@
+"""Runs for `voxdiff compare`: read from an MLflow store, or from an archive of JSON files (one per run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+
+from voxdiff.errors import VoxdiffError
+
+TRAIN_KIND = "train"
+ARCHIVE_FORMAT = "voxdiff-run/1"
+CURVE_KEYS = ("val_loss", "samples_seen", "wall_time", "gns", "peak_memory_mb")
+
+
+@dataclasses.dataclass
+class RunData:
+    run_id: str
+    params: dict[str, str]
+    tags: dict[str, str]
+    metrics: dict[str, float]  # latest value of every metric
+    val_steps: np.ndarray
+    val_loss: np.ndarray
+    val_samples: np.ndarray    # samples seen at each validation
+    val_wall: np.ndarray       # wall time (s) at each validation, NaN when not logged
+    gns_samples: np.ndarray
+    gns: np.ndarray
+    peak_memory_mb: float
+    start_time: int = 0        # ms since the epoch: runs are listed in start order (ties: run id)
+
+    @property
+    def has_val(self) -> bool:
+        return len(self.val_loss) > 0
+
+    @property
+    def final_val_loss(self) -> float:
+        return self.metrics.get("final_val_loss", float(self.val_loss[-1]))
+
+    def first_reaching(self, target: float) -> int | None:
+        """Index of the first validation at or below target."""
+        hits = np.flatnonzero(self.val_loss <= target)
+        return int(hits[0]) if len(hits) else None
+
+    def crossing(self, target: float, x: np.ndarray) -> float | None:
+        """Where (in x: steps, samples or seconds) the val curve first reaches target, linearly
+        interpolated between the two validations around the crossing: a sparser validation cadence
+        would otherwise round the answer up to its next validation."""
+        i = self.first_reaching(target)
+        if i is None:
+            return None
+        if i == 0 or self.val_loss[i - 1] == self.val_loss[i] or math.isnan(x[i - 1]):
+            return float(x[i])  # NaN when x is unknown there (e.g. no wall time logged)
+        frac = (self.val_loss[i - 1] - target) / (self.val_loss[i - 1] - self.val_loss[i])
+        return float(x[i - 1] + frac * (x[i] - x[i - 1]))
+
+
+def open_client(tracking_uri: str):
+    """An MlflowClient, refusing to create an empty SQLite database where none exists."""
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri[len("sqlite:///"):])
+        if not db.is_file():
+            raise VoxdiffError(f"no MLflow database at {db} (tracking URI {tracking_uri}); "
+                               "train first or pass --tracking-uri")
+    from mlflow import MlflowClient  # slow import: only when needed
+
+    return MlflowClient(tracking_uri)
+
+
+def find_training_runs(client, experiment: str, filter_string: str | None, tracking_uri: str):
+    """Finished training runs of the experiment, and a message about unfinished ones left out."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise VoxdiffError(f"MLflow experiment {experiment!r} not found at {tracking_uri}")
+    query = f"tags.`voxdiff.kind` = '{TRAIN_KIND}'" + (f" and {filter_string}" if filter_string else "")
+    runs, token = [], None
+    try:
+        while True:
+            page = client.search_runs([exp.experiment_id], query, order_by=["attributes.start_time ASC"],
+                                      page_token=token)
+            runs.extend(page)
+            token = page.token
+            if not token:
+                break
+    except MlflowException as e:
+        raise VoxdiffError(f"invalid --filter {filter_string!r}: {str(e).splitlines()[0]}") from None
+    # A running or failed run has a partial curve: its "final" numbers would mislead.
+    finished = [r for r in runs if r.info.status == "FINISHED"]
+    unfinished = [f"{r.info.run_id[:8]} ({r.info.status})" for r in runs if r.info.status != "FINISHED"]
+    if not finished:
+        where = f" matching {filter_string!r}" if filter_string else ""
+        raise VoxdiffError(f"no finished training runs in MLflow experiment {experiment!r}{where} "
+                           f"at {tracking_uri}")
+    note = (f"left out {len(unfinished)} unfinished run(s): {', '.join(unfinished)}" if unfinished else None)
+    return exp, finished, note
+
+
+def _history(client, run_id: str, key: str) -> dict[int, float]:
+    by_step: dict[int, float] = {}
+    for m in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
+        by_step[m.step] = m.value  # the last value logged at a step wins (a resumed run re-logs it)
+    return by_step
+
+
+def _at_steps(curve: tuple[np.ndarray, np.ndarray], steps: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+    xs, ys = curve
+    return np.interp(steps, xs, ys) if len(xs) else fallback
+
+
+def _curve(by_step: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    steps = sorted(by_step)
+    return np.array(steps, float), np.array([by_step[s] for s in steps], float)
+
+
+def run_data(run_id: str, params: dict, tags: dict, metrics: dict, histories: dict[str, dict[int, float]],
+             start_time: int = 0) -> RunData:
+    """RunData from a run's params, tags, latest metrics and per-step histories (whatever the source)."""
+    hist = {k: _curve(histories.get(k, {})) for k in CURVE_KEYS}
+    steps, val = hist["val_loss"]
+    batch = as_float(params.get("effective_batch_size"))
+    gns_steps, gns = hist["gns"]
+    memory = hist["peak_memory_mb"][1]
+    return RunData(
+        run_id=run_id, params=dict(params), tags=dict(tags), metrics=dict(metrics),
+        val_steps=steps, val_loss=val,
+        val_samples=_at_steps(hist["samples_seen"], steps, steps * batch),
+        val_wall=_at_steps(hist["wall_time"], steps, np.full(len(steps), np.nan)),
+        gns_samples=_at_steps(hist["samples_seen"], gns_steps, gns_steps * batch), gns=gns,
+        peak_memory_mb=float(memory.max()) if len(memory) else math.nan, start_time=int(start_time or 0))
+
+
+def load_run(client, run) -> RunData:
+    rid, logged = run.info.run_id, run.data.metrics
+    histories = {k: _history(client, rid, k) for k in CURVE_KEYS if k in logged}
+    return run_data(rid, run.data.params, run.data.tags, logged, histories, run.info.start_time)
+
+
+# --- the archive: one JSON file per run, small text for git ------------------------------------------
+def shareable_tags(tags: dict) -> dict:
+    """voxdiff's own tags and the run name: MLflow's source/user tags name the machine and the user."""
+    return {k: v for k, v in sorted(tags.items()) if k.startswith("voxdiff.") or k == "mlflow.runName"}
+
+
+def export_record(client, run, experiment: str) -> dict:
+    """One run as an archive record: params as dotted keys, tags, latest metrics, and every metric
+    history as [step, samples_seen, wall_time, value] rows (samples_seen/wall_time at that step, or null)."""
+    rid = run.info.run_id
+    histories = {k: _history(client, rid, k) for k in sorted(run.data.metrics)}
+    samples, wall = histories.get("samples_seen", {}), histories.get("wall_time", {})
+    return {
+        "format": ARCHIVE_FORMAT, "run_id": rid, "run_name": run.info.run_name, "experiment": experiment,
+        "status": run.info.status, "start_time": run.info.start_time, "params": dict(sorted(run.data.params.items())),
+        "tags": shareable_tags(run.data.tags), "metrics": dict(sorted(run.data.metrics.items())),
+        "histories": {k: [[step, samples.get(step), wall.get(step), value] for step, value in sorted(h.items())]
+                      for k, h in histories.items()},
+    }
+
+
+def record_to_run(record: dict) -> RunData:
+    histories = {k: {int(row[0]): float(row[3]) for row in rows} for k, rows in record["histories"].items()}
+    return run_data(record["run_id"], record["params"], record["tags"], record["metrics"], histories,
+                    record.get("start_time", 0))
+
+
+def read_archive(folder: Path, filter_params: dict[str, str] | None = None) -> tuple[list[RunData], str]:
+    """Finished training runs from an archive folder (sorted by run id), and the experiment they name."""
+    import json
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    if not files:
+        raise VoxdiffError(f"{folder}: no archived runs (*.json); write them with `voxdiff export --out {folder}`")
+    runs, experiments = [], set()
+    for f in files:
+        try:
+            record = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise VoxdiffError(f"{f}: not a readable run archive ({type(e).__name__})") from None
+        if not isinstance(record, dict) or record.get("format") != ARCHIVE_FORMAT:
+            raise VoxdiffError(f"{f}: not a voxdiff run archive (format {ARCHIVE_FORMAT} expected)")
+        if record["status"] != "FINISHED" or record["tags"].get("voxdiff.kind") != TRAIN_KIND:
+            continue
+        if filter_params and any(record["params"].get(k) != v for k, v in filter_params.items()):
+            continue
+        runs.append(record_to_run(record))
+        experiments.add(record["experiment"])
+    if not runs:
+        raise VoxdiffError(f"{folder}: no finished training runs" + (f" with {filter_params}" if filter_params else ""))
+    return sorted(runs, key=lambda r: (r.start_time, r.run_id)), "/".join(sorted(experiments))
+
+
+def archive_text(record: dict) -> str:
+    """JSON with one line per key and per history row: diffs stay readable and files small."""
+    import json
+
+    dump = lambda v: json.dumps(v, separators=(", ", ": "))  # noqa: E731
+    lines = ["{"]
+    for i, (k, v) in enumerate(record.items()):
+        end = "," if i < len(record) - 1 else ""
+        if k == "histories":
+            keys = list(v)
+            lines.append('  "histories": {')
+            for j, key in enumerate(keys):
+                rows = ",\n".join(f"    {dump(r)}" for r in v[key])
+                lines.append(f'   {dump(key)}: [\n{rows}\n   ]' + ("," if j < len(keys) - 1 else ""))
+            lines.append("  }" + end)
+        else:
+            lines.append(f"  {dump(k)}: {dump(v)}{end}")
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def write_archive(client, experiment: str, filter_string: str | None, tracking_uri: str, folder: Path) -> list[Path]:
+    """Export every finished training run of the experiment to folder/<run id>.json (atomically)."""
+    import json
+
+    from voxdiff.fsutil import write_text
+
+    _, runs, _ = find_training_runs(client, experiment, filter_string, tracking_uri)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for run in runs:
+        path = folder / f"{run.info.run_id}.json"
+        write_text(path, archive_text(export_record(client, run, experiment)))
+        written.append(path)
+    return written
+
+
+def as_float(s) -> float:
+    try:
+        return float(s)
+    except (TypeError, ValueError):
+        return math.nan

@@ -1,0 +1,264 @@
+"""The comparison report: figures, tables and the plain-language reading, as Markdown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from voxdiff.fsutil import atomic_path
+from voxdiff.report.loading import RunData, as_float
+from voxdiff.report.statistics import (ALPHA, GroupSummary, compare_means, confounders, holm,
+                                      most_common_int)
+from voxdiff.training.gns import balanced_accumulate_every, critical_batch_tradeoff, not_measurable_reason
+
+
+
+def noise_scale_section(groups: list[GroupSummary], runs: list[RunData], group_by: str):
+    """Markdown lines, the pooled B_noise and the balanced accumulate_every (None when not measured)."""
+    lines = ["## Gradient noise scale", "",
+             "| setting | runs measured | B_noise (mean of last values) | range |", "|---|---|---|---|"]
+    for g in groups:
+        reason = _not_measurable(g)
+        cell = (f"{len(g.gns)} | {np.mean(g.gns):.3g} | {min(g.gns):.3g}–{max(g.gns):.3g}" if g.gns
+                else f"0 | {reason or 'not logged'} | —")
+        lines.append(f"| {group_by}={g.key} | {cell} |")
+    values = [v for g in groups for v in g.gns if v > 0]
+    if not values:
+        lines += ["", "No run measured the noise scale: it needs accumulate_every × world size > 1."]
+        return lines, None, None
+    b_noise = float(np.mean(values))
+    micro, world = most_common_int(runs, "train.batch_size"), most_common_int(runs, "world_size") or 1
+    lines += ["", f"Critical batch B_crit ≈ B_noise ≈ **{b_noise:.3g}** (mean of the last measured values of "
+              f"{len(values)} run(s), range {min(values):.3g}–{max(values):.3g}; McCandlish et al. 2018)."]
+    if micro is None:
+        lines += ["", "The runs log no train.batch_size: cannot convert B_crit into accumulate_every."]
+        return lines, b_noise, None
+    k_star = balanced_accumulate_every(b_noise, micro, world)
+    lines += [f"At micro-batch {micro} × world size {world}, the accumulate_every that balances steps against "
+              f"samples is k* ≈ {b_noise:.3g} / {micro * world} = {b_noise / (micro * world):.3g} → "
+              f"**{k_star}** (nearest power of two ≥ 1).", "",
+              "Steps and samples to reach a given loss, relative to their minimum (S = S_min(1 + B_crit/B), "
+              "E = E_min(1 + B/B_crit)):", "",
+              "| accumulate_every | effective batch | steps / S_min | samples / E_min |", "|---|---|---|---|"]
+    ks = sorted({k for g in groups if (k := as_float(g.setting["accumulate_every"])) == k} | {k_star})
+    for k, t in zip(ks, critical_batch_tradeoff(b_noise, [k * micro * world for k in ks])):
+        mark = " (k*)" if k == k_star else ""
+        lines.append(f"| {k:g}{mark} | {t.batch:g} | {t.steps_over_min:.2f} | {t.samples_over_min:.2f} |")
+    lines += ["", "B_noise grows as the loss falls, so this describes the end of these runs; the estimate is "
+              "noisy (see the range). Treat k* as an order of magnitude: below it, more accumulation costs "
+              "few extra samples and saves optimizer steps; above it, steps barely fall while samples grow."]
+    return lines, b_noise, k_star
+
+
+def _not_measurable(g: GroupSummary) -> str | None:
+    k, w = as_float(g.setting["accumulate_every"]), as_float(g.setting["world size"])
+    return not_measurable_reason(int(k), int(w) if w == w else 1) if k == k else None
+
+
+def reading_section(groups: list[GroupSummary], runs: list[RunData], group_by: str, target: float | None):
+    measured = [g for g in groups if g.n]
+    lines = ["## Reading", ""]
+    if not measured:
+        return lines + ["No group logged a validation loss: nothing to compare."]
+    best = min(measured, key=lambda g: np.mean(g.final_val))
+    lines.append(f"- Lowest final val loss: **{group_by}={best.key}** ({mean_std(best.final_val, '.4g', '.2g')}, "
+                 f"{best.n} seed(s)).")
+    lines += _verdicts([(f"{group_by}={g.key}", g.final_val) for g in measured if g is not best],
+                       f"{group_by}={best.key}", best.final_val, "final val loss")
+    reached = [g for g in measured if g.reached == g.n]
+    if target is not None and len(reached) > 1:
+        fastest = min(reached, key=lambda g: np.mean(g.samples_to_target))
+        lines.append(f"- Fewest samples to reach val loss {target:.4g}: **{group_by}={fastest.key}** "
+                     f"({mean_std(fastest.samples_to_target, '.0f')}).")
+        lines += _verdicts([(f"{group_by}={g.key}", g.samples_to_target) for g in reached if g is not fastest],
+                           f"{group_by}={fastest.key}", fastest.samples_to_target, "samples to target")
+    budgets = sorted({r.metrics["total_samples"] for r in runs if r.has_val and "total_samples" in r.metrics})
+    if len(budgets) > 1:  # a step budget gives larger effective batches more samples: final losses not comparable
+        lines.append(f"- Runs saw different numbers of samples ({budgets[0]:.0f}–{budgets[-1]:.0f}): final val "
+                     "losses are not at equal data; prefer the samples-to-target comparison.")
+    scaling = sorted({r.params.get("train.lr_scaling", "?") for r in runs})
+    if scaling == ["none"]:
+        lines.append("- All runs used lr_scaling=none: the lr is the same for every setting, so a larger "
+                     "effective batch makes fewer updates of the same size per sample seen. Linear or sqrt "
+                     "scaling can change this answer.")
+    elif len(scaling) == 1:
+        lines.append(f"- All runs used lr_scaling={scaling[0]}: the lr grows with the effective batch.")
+    lines += ["", f"\"Clearly\" means Welch's t-test over seeds (scipy, two-sided) rejects equal means at "
+              f"{ALPHA:g} after a Holm correction over the comparisons of the same list; samples to target "
+              "are interpolated between validations. Results hold for this budget, data and lr."]
+    return lines
+
+
+def _verdicts(items: list[tuple[str, list[float]]], ref: str, ref_values: list[float], what: str) -> list[str]:
+    tests = [compare_means(values, ref_values) for _, values in items]
+    adjusted = holm([p for _, _, p in tests])
+    return ["- " + _verdict(name, ref, values, (kind, diff, p), what)
+            for (name, values), (kind, diff, _), p in zip(items, tests, adjusted)]
+
+
+def _verdict(name: str, ref: str, values: list[float], test: tuple[str, float, float | None], what: str) -> str:
+    kind, diff, p = test
+    word = "higher" if diff > 0 else "lower"
+    head = f"{name}: {what} {mean_std(values, '.4g', '.2g')}"
+    if kind == "unreplicated":
+        return (f"{head}, {abs(diff):.3g} {word} than {ref}, but unreplicated (a single seed on one side): "
+                "run more seeds before reading anything into it.")
+    if p < ALPHA:
+        return f"{head}, clearly {word} than {ref} (difference {abs(diff):.3g}, Welch p = {p:.2g} after Holm)."
+    return f"{head}: within seed noise of {ref} (difference {abs(diff):.3g}, Welch p = {p:.2g} after Holm)."
+
+
+def mean_band(curves: list[tuple[np.ndarray, np.ndarray]]):
+    """Mean, min and max over runs on the x range all runs cover (union of their x values); None if none."""
+    lo, hi = max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves)
+    if lo > hi:
+        return None
+    grid = np.unique(np.concatenate([x[(x >= lo) & (x <= hi)] for x, _ in curves]))
+    ys = np.array([np.interp(grid, x, y) for x, y in curves])
+    return grid, ys.mean(0), ys.min(0), ys.max(0)
+
+
+def plot_curves(groups: dict[str, list[RunData]], group_by: str, x_of, y_of, xlabel: str, ylabel: str,
+                path: Path) -> Path | None:
+    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas for savefig
+
+    fig = Figure(figsize=(7.5, 4.5), dpi=120, layout="constrained")
+    ax = fig.subplots()
+    drawn, positive = False, True
+    for key, runs in groups.items():
+        curves = [(x_of(r), y_of(r)) for r in runs]
+        curves = [(x, y) for x, y in curves if len(x) and not np.isnan(x).any()]
+        if not curves:
+            continue
+        label = f"{group_by}={key} (n={len(curves)})"
+        band = mean_band(curves)
+        if band is None:  # no common x range (e.g. wall times far apart): draw each run
+            color = ax.plot(*curves[0], label=label + ", no overlap")[0].get_color()
+            for x, y in curves[1:]:
+                ax.plot(x, y, color=color)
+            lo = np.concatenate([y for _, y in curves])
+        else:
+            x, mean, lo, hi = band
+            line, = ax.plot(x, mean, marker="." if len(x) < 30 else None, label=label)
+            if len(curves) > 1:
+                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+        drawn, positive = True, positive and bool((lo > 0).all())
+    if not drawn:
+        return None
+    low, high = ax.dataLim.y0, ax.dataLim.y1
+    if positive and high > 3 * low:  # log only when the curves span a wide range: readable ticks otherwise
+        ax.set_yscale("log")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{ylabel} vs {xlabel} (mean over seeds, band = min–max)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return path
+
+
+def make_figures(groups: dict[str, list[RunData]], group_by: str, out_path: Path) -> list[Path]:
+    stem = out_path.with_suffix("")
+    specs = [
+        ("val_loss_vs_steps", lambda r: r.val_steps, lambda r: r.val_loss, "optimizer steps", "val loss"),
+        ("val_loss_vs_samples", lambda r: r.val_samples, lambda r: r.val_loss, "samples seen", "val loss"),
+        ("val_loss_vs_wall_time", lambda r: r.val_wall, lambda r: r.val_loss, "wall time (s)", "val loss"),
+        ("gns_vs_samples", lambda r: r.gns_samples, lambda r: r.gns, "samples seen", "gradient noise scale"),
+    ]
+    paths = [plot_curves(groups, group_by, x_of, y_of, xlabel, ylabel, Path(f"{stem}_{name}.png"))
+             for name, x_of, y_of, xlabel, ylabel in specs]
+    return [p for p in paths if p is not None]
+
+
+def summary_table(groups: list[GroupSummary], group_by: str) -> list[str]:
+    head = ("| setting | micro-batch | accumulate_every | effective batch | lr | seeds | final val loss | steps "
+            "to target | samples to target | time to target (s) | total wall time (s) | peak memory (MB) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for g in groups:
+        s = g.setting
+        stats = (f"{mean_std(g.final_val, '.4g', '.2g')} | {reached_cell(g.steps_to_target, g, '.0f')} | "
+                 f"{reached_cell(g.samples_to_target, g, '.0f')} | {reached_cell(g.time_to_target, g, '.1f')} | "
+                 f"{mean_std(g.total_wall_time, '.1f')} | {mean_std(g.peak_memory_mb, '.0f')}"
+                 if g.n else "no val_loss | — | — | — | — | —")
+        lines.append(f"| {group_by}={g.key} | {s['micro-batch']} | {s['accumulate_every']} | "
+                     f"{s['effective batch']} | {s['lr']} | {g.n} | {stats} |")
+    return lines
+
+
+def eval_table(groups: list[GroupSummary], group_by: str) -> list[str]:
+    keys = sorted({k for g in groups for k in g.eval})
+    if not keys:
+        return []
+    lines = ["## Evaluation", "", "| setting | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for g in groups:
+        cells = (mean_std(g.eval.get(k, []), ".4g", ".2g") for k in keys)
+        lines.append(f"| {group_by}={g.key} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def runs_table(groups: dict[str, list[RunData]], group_by: str) -> list[str]:
+    lines = ["## Runs", "", "| setting | run id | seed | DVC experiment | final val loss |",
+             "|---|---|---|---|---|"]
+    for key, runs in groups.items():
+        for r in runs:
+            final = f"{r.final_val_loss:.4g}" if r.has_val else "no val_loss"
+            lines.append(f"| {group_by}={key} | {r.run_id} | {r.params.get('seed', '?')} | "
+                         f"{r.tags.get('voxdiff.dvc_exp_name', '')} | {final} |")
+    return lines
+
+
+def render_report(*, experiment: str, source: str, group_by: str, filter_string: str | None,
+                  groups: list[GroupSummary], by_key: dict[str, list[RunData]], runs: list[RunData],
+                  target: float | None, target_given: bool, figures: list[Path], messages: list[str],
+                  noise_lines: list[str], reading_lines: list[str]) -> str:
+    where = f", filter `{filter_string}`" if filter_string else ""
+    lines = [f"# How `{group_by}` changes convergence", "",
+             f"Experiment `{experiment}`{where}: {len(runs)} finished training run(s) in {len(groups)} group(s).",
+             "", f"Source: {source}.", ""]
+    if messages:
+        lines += ["**Warnings**", "", *(f"- {m}" for m in messages), ""]
+    lines += ["## Validation loss", ""] + [f"![{p.stem}]({p.name})" for p in figures if "val_loss" in p.name]
+    lines += ["", "Curves: mean over seeds; shaded band: min–max over seeds.", "", "## Summary per setting", ""]
+    if target is None:
+        lines.append("No validation loss logged: no target level.")
+    else:
+        how = ("given by the user" if target_given
+               else "the highest of the runs' best val losses, a level every run reached")
+        lines.append(f"Target val loss **{target:.4g}** ({how}). Steps/samples/time to target: first validation "
+                     "at or below it, mean ± std over the runs that reached it (k/n when not all did).")
+    lines += ["", *summary_table(groups, group_by), "", *eval_table(groups, group_by), *noise_lines]
+    lines += ["", *(f"![{p.stem}]({p.name})" for p in figures if "gns" in p.name)]
+    lines += ["", *reading_lines, "", *runs_table(by_key, group_by), ""]
+    return "\n".join(lines)
+
+
+def messages_for(groups: list[GroupSummary], runs: list[RunData], group_by: str, unfinished: str | None) -> list[str]:
+    msgs = [unfinished] if unfinished else []
+    for g in groups:
+        if g.missing_val:
+            which = "its" if len(g.missing_val) == len(g.run_ids) else f"{len(g.missing_val)} of its"
+            msgs.append(f"{group_by}={g.key}: no val_loss logged in {which} {len(g.run_ids)} run(s) "
+                        f"({', '.join(i[:8] for i in g.missing_val)}); left out of curves and statistics")
+    for k, vals in confounders(runs, group_by).items():
+        msgs.append(f"runs also differ in {k} ({', '.join(vals)}): differences may not be due to {group_by} alone")
+    return msgs
+
+
+def mean_std(values: list[float], spec: str, std_spec: str | None = None) -> str:
+    """'mean ± std' (sample std over runs), just the value for one run, '—' for none."""
+    if not values:
+        return "—"
+    mean = format(float(np.mean(values)), spec)
+    if len(values) == 1:
+        return mean
+    return f"{mean} ± {format(float(np.std(values, ddof=1)), std_spec or spec)}"
+
+
+def reached_cell(values: list[float], g: GroupSummary, spec: str) -> str:
+    """A to-target statistic, marked k/n when only k of the group's n runs reached the target."""
+    if g.n == 0:
+        return "—"
+    if g.reached == 0:
+        return "not reached"
+    cell = mean_std(values, spec)
+    return cell if g.reached == g.n else f"{cell} ({g.reached}/{g.n})"
