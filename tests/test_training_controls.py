@@ -199,3 +199,15 @@ def test_ctrl_c_during_validation_resumes_exactly(tiny_root, tmp_path, monkeypat
     strip = lambda h: [{k: v for k, v in r.items() if k not in drop} for r in h]  # noqa: E731
     assert strip(ref["history"]) == strip(done["history"])
     assert math.isfinite(done["history"][-1]["val_loss"])
+
+
+def test_flattening_compares_last_and_first_quarter_gains():
+    from voxdiff.training.train import flattening
+
+    samples = [100, 200, 300, 400]
+    # first quarter (100 -> 100): starts at the first validation; here: 1.0 at 100, 0.5 at 200 ...
+    assert flattening([0, 100, 200, 300, 400], [1.0, 0.5, 0.4, 0.35, 0.34]) == pytest.approx(0.01 / 0.5)
+    assert flattening(samples, [1.0, 1.0, 1.0, 1.0]) is None  # no first-quarter gain
+    assert flattening([1, 2], [1.0, 0.5]) is None
+    linear = flattening([0, 100, 200, 300, 400], [4.0, 3.0, 2.0, 1.0, 0.0])
+    assert linear == pytest.approx(1.0)  # still falling as fast as at the start

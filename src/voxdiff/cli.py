@@ -158,6 +158,7 @@ SUMMARY_ROWS = (
     ("train.json", "total_steps", "optimizer steps"),
     ("train.json", "final_val_loss", "val loss (EMA, fixed draws)"),
     ("train.json", "best_val_loss", "best val loss"),
+    ("train.json", "val_flattening", "val-loss flattening (last / first quarter's gain)"),
     ("train.json", "final_train_loss", "train loss (last 10% of steps)"),
     ("train.json", "gns", "gradient noise scale B_simple"),
     ("train.json", "samples_per_s", "training samples/s"),

@@ -166,6 +166,8 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
     "mlflow": {
         "experiment": text(allow_empty=False),
         "tracking_uri": text(),
+        "system_metrics": boolean,
+        "system_metrics_interval_s": number(1.0),
     },
 }
 
@@ -254,6 +256,8 @@ class Evaluate:
 class Mlflow:
     experiment: str
     tracking_uri: str
+    system_metrics: bool
+    system_metrics_interval_s: float
 
 
 @dataclasses.dataclass(frozen=True)

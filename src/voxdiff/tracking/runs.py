@@ -181,6 +181,52 @@ class RunTracker:
 
         self._safely("summary logging", send)
 
+    def log_dataset(self, name: str, digest: str, source: dict, context: str = "training") -> None:
+        """Record the processed data as the run's input (MLflow datasets): `digest` is the cache's
+        fingerprint, so runs on identical data show the same dataset; `source` names where it came from."""
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+
+        def send():
+            dataset = MetaDataset(CodeDatasetSource({k: str(v) for k, v in source.items()}), name=name,
+                                  digest=digest[:36])
+            self.client.log_inputs(self.run_id, datasets=[DatasetInput(
+                dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
+
+        self._safely("dataset logging", send)
+
+    def start_system_metrics(self, interval_s: float = 10.0):
+        """MLflow's system metrics (CPU, memory, disk, network; GPU when pynvml finds one) sampled every
+        interval_s in a background thread into this run; returns the monitor (None if it cannot start)."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        try:
+            monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s, resume_logging=True,
+                                           tracking_uri=self.uri)
+            monitor.start()
+            return monitor
+        except Exception as e:
+            warnings.warn(f"MLflow system metrics not started ({type(e).__name__}: {str(e)[:120]})", stacklevel=2)
+            return None
+
+    def log_model(self, net, metadata: dict, name: str = "ema_model") -> None:
+        """The EMA network as an MLflow PyTorch model (mlflow.pytorch.load_model loads it back), with
+        what a user needs to run it in its metadata: label values, preprocessing, diffusion settings."""
+        import mlflow
+        import monai
+        import torch
+
+        def send():
+            mlflow.set_tracking_uri(self.uri)
+            with mlflow.start_run(run_id=self.run_id):
+                # Explicit requirements: MLflow would otherwise infer them by importing the model (slow).
+                mlflow.pytorch.log_model(net, name=name, metadata=metadata,
+                                         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                                                           f"monai=={monai.__version__}"])
+
+        self._safely("model logging", send)
+
     def finish(self, status: str = "FINISHED") -> None:
         self._safely("run close", lambda: self.client.set_terminated(self.run_id, status=status))
 

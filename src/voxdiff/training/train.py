@@ -91,6 +91,16 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
                           "ema_rampup_end_samples": ema_rampup_end(params.train),
                           "precision_resolved": rt.precision, "device_resolved": str(rt.device)})
 
+    monitor = None
+    if tracker:
+        if state is None:  # a new run: record its input data once
+            tracker.log_dataset(f"voxdiff-processed-{params.data.source}", cache.fingerprint,
+                                {"data.source": params.data.source, "path": "data/processed",
+                                 "subjects": len(cache.subjects), "shape": "x".join(map(str, trainer.shape)),
+                                 "label_values": list(cache.label_values)})
+        if params.mlflow.system_metrics:
+            monitor = tracker.start_system_metrics(params.mlflow.system_metrics_interval_s)
+
     def save(finished: bool) -> None:
         if rt.is_main:
             checkpoint.save(out["checkpoint"], trainer.state(finished, tracker.run_id if tracker else None))
@@ -131,6 +141,8 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
     finally:
         if bar is not None:
             bar.close()
+        if monitor is not None:
+            monitor.finish()
 
     save(finished=True)
     summary = summarize(trainer, params, rt, tracker)
@@ -138,15 +150,27 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
         write_outputs(out, trainer, summary)
         if tracker:
             tracker.log_summary(
-                {k: v for k, v in summary.items() if k.startswith(("final_", "total_", "effective_", "peak_"))},
+                {k: v for k, v in summary.items()
+                 if k.startswith(("final_", "total_", "effective_", "peak_", "val_flattening"))},
                 artifacts=[out["metrics"], out["plot"], root / "params.yaml",
                            root / "data" / "processed" / "preview.png"],
                 tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"],
                       "voxdiff.checkpoint_path": str(out["checkpoint"].relative_to(root))})
+            tracker.log_model(trainer.ema.module, model_metadata(trainer))
             tracker.finish()
         say(rt, f"done: val_loss {summary['final_val_loss']:.4f}, {summary['total_samples']} samples in "
                 f"{summary['total_wall_time']:.0f} s ({summary['samples_per_s']:.2f} samples/s)")
     return summary
+
+
+def model_metadata(trainer: Trainer) -> dict:
+    """What a user of the logged model needs besides its weights: inputs are the noisy image plus the
+    one-hot label map of these label values, on this grid, preprocessed and noised like this."""
+    raw = trainer.p.raw
+    return {"label_values": list(trainer.cache.label_values), "num_classes": trainer.num_classes,
+            "shape": list(trainer.shape), "preprocess": raw["preprocess"], "diffusion": raw["diffusion"],
+            "model": raw["model"], "input": "concat(noisy image [B,1,D,H,W], one_hot(labels) [B,C,D,H,W])",
+            "weights": "EMA", "samples_seen": trainer.counters.samples_seen}
 
 
 def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: str = "") -> dict:
@@ -157,6 +181,7 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
     window_means = [h["train_loss"] for h in c.history[-max(1, len(c.history) // 10):]]
     return {
         "final_val_loss": val[-1]["val_loss"], "best_val_loss": min(h["val_loss"] for h in val),
+        "val_flattening": flattening([h["samples_seen"] for h in val], [h["val_loss"] for h in val]),
         "final_train_loss": sum(window_means) / len(window_means),
         "total_steps": c.step, "total_samples": c.samples_seen, "total_wall_time": c.wall_time,
         "samples_per_s": c.samples_seen / max(c.wall_time, 1e-9),
@@ -170,6 +195,20 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
         "mlflow_run_id": tracker.run_id if tracker else run_id,
         "checkpoint_sha256": sha256_file(paths(trainer.root)["checkpoint"]) if rt.is_main else "",
     }
+
+
+def flattening(samples: list[int], losses: list[float]) -> float | None:
+    """Val-loss improvement over the last quarter of the samples divided by the improvement over the
+    first quarter (from the first validation): near 0 = the curve has flattened, 1 = still falling as
+    fast as at the start. None with fewer than 3 validations or no first-quarter improvement."""
+    import numpy as np
+
+    if len(samples) < 3:
+        return None
+    total = samples[-1]
+    at = lambda s: float(np.interp(s, samples, losses))  # noqa: E731
+    first, last = losses[0] - at(total / 4), at(3 * total / 4) - losses[-1]
+    return last / first if first > 0 else None
 
 
 def write_outputs(out: dict[str, Path], trainer: Trainer, summary: dict) -> None:

@@ -1,0 +1,108 @@
+"""A real `mlflow server` (SQLite backend, loopback port) as users scale out: a queued DVC grid logs to
+it, and its REST API finds the runs by param, reads their val_loss histories, and the logged model loads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from test_e2e_dvc import make_repo, sh
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def api(base: str, path: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"{base}/api/2.0/mlflow/{path}", data=data,
+                                 headers={"Content-Type": "application/json"}, method="POST" if body else "GET")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = free_port()
+    store = tmp_path / "server"
+    store.mkdir()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri",
+                             f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination", str(store / "artifacts"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            cwd=store, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("mlflow server did not answer /health within 120 s")
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_queued_grid_through_a_real_mlflow_server(tmp_path, server):
+    repo = make_repo(tmp_path / "proj", {"mlflow.tracking_uri": server, "mlflow.experiment": "grid",
+                                         "mlflow.system_metrics_interval_s": 1.0})
+    sh(repo, "dvc", "repro", "preprocess")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "data")
+    sh(repo, "dvc", "exp", "run", "--queue", "-S", "train.accumulate_every=1,2")
+    sh(repo, "dvc", "queue", "start", "-j", "1")
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        status = sh(repo, "dvc", "queue", "status").stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        time.sleep(3)
+    assert "Failed" not in status, status + sh(repo, "dvc", "queue", "logs", status.split()[0], check=False).stdout
+    assert not (repo / "mlflow.db").exists()  # everything went to the server
+
+    exp = api(server, "experiments/get-by-name?experiment_name=grid")["experiment"]
+    for k in ("1", "2"):
+        found = api(server, "runs/search", {"experiment_ids": [exp["experiment_id"]],
+                                            "filter": f"params.`train.accumulate_every` = '{k}'"})["runs"]
+        assert len(found) == 1, found
+        run = found[0]
+        params = {p["key"]: p["value"] for p in run["data"]["params"]}
+        assert params["effective_batch_size"] == k and run["info"]["status"] == "FINISHED"
+        history = api(server, f"metrics/get-history?run_id={run['info']['run_id']}&metric_key=val_loss")["metrics"]
+        assert len(history) >= 2 and all(m["value"] > 0 for m in history)
+        metrics = {m["key"] for m in run["data"]["metrics"]}
+        assert any(key.startswith("system/cpu_utilization") for key in metrics), sorted(metrics)
+        inputs = run["inputs"]["dataset_inputs"]
+        assert inputs and inputs[0]["dataset"]["name"].startswith("voxdiff-processed")
+
+    # The logged EMA model loads back through the server's artifact proxy and runs.
+    import mlflow
+    import torch
+
+    mlflow.set_tracking_uri(server)
+    net = mlflow.pytorch.load_model(f"runs:/{found[0]['info']['run_id']}/ema_model")
+    info = mlflow.models.get_model_info(f"runs:/{found[0]['info']['run_id']}/ema_model")
+    meta = info.metadata
+    assert meta["label_values"] == [0, 1, 2, 3] and meta["weights"] == "EMA"
+    shape = meta["shape"]
+    x = torch.zeros(1, 1 + meta["num_classes"], *shape)
+    assert net(x, timesteps=torch.zeros(1, dtype=torch.long)).shape == (1, 1, *shape)
