@@ -9,14 +9,17 @@ STAMP := $(VENV)/.installed-stamp
 QUIET_PIP := grep -v -e 'is ignored: it is neither a file nor a directory' || true
 export PATH := $(BIN):$(PATH)
 
-.PHONY: demo test bench sweep study lock clean-outputs help
+.PHONY: demo test bench sweep study study-report ui-shot doctor lock clean-outputs help
 
 help:
 	@echo "make demo   - set up .venv, run the pipeline (dvc repro) on the built-in data, show metrics"
 	@echo "make test   - set up .venv if needed and run the test suite"
 	@echo "make bench  - side-by-side benchmarks -> benchmarks/results.json, RESULTS.md"
 	@echo "make sweep  - queue accumulate_every x seed experiments, run them, compare"
-	@echo "make study  - the committed CPU study (docs/study/)"
+	@echo "make study  - run (or continue) the study's grid, archive runs in docs/study/runs, rebuild reports"
+	@echo "make study-report - rebuild docs/study/*.md from the archive alone (no MLflow needed)"
+	@echo "make ui-shot - screenshot of the MLflow UI's run comparison (headless Chromium) -> docs/mlflow-compare.png"
+	@echo "make doctor - device, precision, versions, tracking store (for bug reports)"
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +33,7 @@ demo: $(STAMP)
 	@start=$$(date +%s); $(BIN)/dvc repro; echo "pipeline: $$(( $$(date +%s) - start )) s"
 	@echo; echo "== metrics (all fields: dvc metrics show) =="; $(BIN)/voxdiff metrics
 	@echo; echo "Open MLflow:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db   (then http://127.0.0.1:5000)"
+	@echo "Look at:     plots/eval/*.png (generated volumes next to the real one), plots/convergence.png"
 	@echo "Try:         $(BIN)/dvc exp run -S train.accumulate_every=4   and   $(BIN)/voxdiff compare --out reports/compare.md"
 
 test: $(STAMP)
@@ -45,6 +49,15 @@ sweep: $(STAMP)
 
 study: $(STAMP)
 	bash docs/study/run.sh
+
+study-report: $(STAMP)
+	bash docs/study/report.sh
+
+ui-shot: $(STAMP)
+	bash docs/ui-shot.sh
+
+doctor: $(STAMP)
+	$(BIN)/voxdiff doctor
 
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu/torch==\1/' > requirements.lock.new

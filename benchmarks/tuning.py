@@ -87,14 +87,16 @@ def run_one(name: str, overrides: dict, samples: int, base_raw: dict) -> dict:
 
 
 def render(rows: list[dict]) -> str:
+    # No timing columns: these runs shared the machine with other work; speed lives in `make bench`.
     cols = [("run", lambda r: r["name"]), ("samples", lambda r: r["samples"]),
-            ("precision", lambda r: r["precision"]), ("samples/s", lambda r: f"{r['samples_per_s']:.2f}"),
-            ("train s", lambda r: f"{r['train_seconds']:.0f}"),
+            ("precision", lambda r: r["precision"]),
             ("SSIM", lambda r: f"{r['eval_ssim']:.3f}"), ("PSNR dB", lambda r: f"{r['eval_psnr']:.1f}"),
             ("MAE", lambda r: f"{r['eval_mae']:.3f}"),
             ("contrast order", lambda r: f"{r['eval_contrast_order_fraction']:.2f}"),
             ("contrast ratio", lambda r: "n/a" if r["eval_contrast_ratio"] is None else f"{r['eval_contrast_ratio']:.2f}"),
-            ("beats floors", lambda r: "yes" if r.get("eval_beats_floors") else "no")]
+            ("beats floors", lambda r: "yes" if r.get("eval_beats_floors") else "no"),
+            ("diversity MS-SSIM", lambda r: "n/a" if r.get("eval_msssim_samples") is None
+             else f"{r['eval_msssim_samples']:.3f}")]
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(f(r)) for _, f in cols) + " |" for r in rows]
     f = rows[-1] if rows else {}

@@ -1,0 +1,76 @@
+"""The study's grid, and which of its runs the archive (docs/study/runs/*.json) still lacks.
+
+    python docs/study/grid.py missing          # one line of `-S key=value` overrides per missing run
+    python docs/study/grid.py status           # how many runs of each arm are archived
+
+Every run is params.yaml (the demo configuration) with COMMON and the run's own overrides. A run is
+archived when a run with exactly these params is in docs/study/runs/, so `make study` continues where
+an earlier session stopped: the study accumulates across sessions, in the order listed here (seed 0 of
+every setting first, so a partial study already spans the grid).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUNS = HERE / "runs"
+EXPERIMENT = "voxdiff-study"
+BUDGET = 1536  # samples: the accumulate_every=1 runs plateau before it (docs/study/README.md, "Budget")
+
+COMMON = {"train.max_samples": BUDGET, "train.max_steps": 0, "train.val_every_samples": 64,
+          "train.checkpoint_every": 64, "evaluate.subjects": 2, "evaluate.samples_per_condition": 2,
+          "mlflow.experiment": EXPERIMENT}
+KS = (1, 2, 4, 8)
+
+
+def arms() -> list[tuple[str, dict]]:
+    """(arm, overrides) in run order: main grid (micro-batch 1 and 2, no LR scaling, 3 seeds), then the
+    LR rules (sqrt, linear, sde at micro-batch 2, 2 seeds)."""
+    out = []
+    for seed in (0, 1, 2):
+        for micro in (2, 1):
+            for k in KS:
+                out.append(("main", {"train.batch_size": micro, "train.accumulate_every": k,
+                                     "train.lr_scaling": "none", "seed": seed}))
+        if seed < 2:
+            for rule in ("sqrt", "linear", "sde"):
+                for k in (1, 8):  # reference_batch 4 = micro-batch 2 x k 2: k 1 and 8 are the rules' extremes
+                    out.append((f"lr-{rule}", {"train.batch_size": 2, "train.accumulate_every": k,
+                                               "train.lr_scaling": rule, "seed": seed}))
+    return out
+
+
+def archived() -> list[dict]:
+    return [json.loads(p.read_text())["params"] for p in sorted(RUNS.glob("*.json"))] if RUNS.is_dir() else []
+
+
+def is_archived(overrides: dict, done: list[dict]) -> bool:
+    want = {k: str(v) for k, v in {**COMMON, **overrides}.items() if not k.startswith("mlflow.")}
+    return any(all(p.get(k) == v for k, v in want.items()) for p in done)
+
+
+def missing() -> list[tuple[str, dict]]:
+    done = archived()
+    return [(arm, o) for arm, o in arms() if not is_archived(o, done)]
+
+
+def main(argv: list[str]) -> int:
+    cmd = argv[1] if len(argv) > 1 else "status"
+    if cmd == "missing":
+        for _, o in missing():
+            print(" ".join(f"-S {k}={v}" for k, v in {**COMMON, **o}.items()))
+        return 0
+    todo = missing()
+    total = arms()
+    for arm in dict.fromkeys(a for a, _ in total):
+        n = sum(a == arm for a, _ in total)
+        left = sum(a == arm for a, _ in todo)
+        print(f"{arm:10s} {n - left:3d}/{n} archived")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
