@@ -139,7 +139,7 @@ def msssim_metric(shape):
 
 
 def _vol(x: np.ndarray) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(x, np.float32))[None, None]
+    return torch.from_numpy(np.array(x, np.float32))[None, None]  # a copy: cache rows are read-only memmaps
 
 
 def masked(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:

@@ -221,7 +221,9 @@ class RunTracker:
             mlflow.set_tracking_uri(self.uri)
             with mlflow.start_run(run_id=self.run_id):
                 # Explicit requirements: MLflow would otherwise infer them by importing the model (slow).
-                mlflow.pytorch.log_model(net, name=name, metadata=metadata,
+                # Pickle, not MLflow 3's default 'pt2' (a traced export that needs an input example
+                # and would fix the grid): the network takes any grid its levels divide.
+                mlflow.pytorch.log_model(net, name=name, metadata=metadata, serialization_format="pickle",
                                          pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
                                                            f"monai=={monai.__version__}"])
 
