@@ -199,7 +199,7 @@ def test_compare_run_is_logged_with_report_and_figures(store, tmp_path):
 def test_cli_uses_params_experiment_and_env_tracking_uri(store, tmp_path, monkeypatch):
     uri, _, _ = store
     raw = params_mod.load(Path(__file__).parents[1] / "params.yaml").raw
-    raw = {**raw, "mlflow": {"experiment": "clear", "tracking_uri": ""}}
+    raw = {**raw, "mlflow": {**raw["mlflow"], "experiment": "clear", "tracking_uri": ""}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     monkeypatch.chdir(tmp_path)
@@ -216,11 +216,11 @@ def test_resolve_tracking_uri_rule(tmp_path, monkeypatch):
     p = params_mod.load(Path(__file__).parents[1] / "params.yaml")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("DVC_ROOT", raising=False)
-    blank = dataclasses.replace(p, mlflow=params_mod.Mlflow("voxdiff", ""))
+    blank = dataclasses.replace(p, mlflow=params_mod.Mlflow("voxdiff", "", True, 10.0))
     assert resolve_tracking_uri(blank, tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     monkeypatch.setenv("DVC_ROOT", str(tmp_path / "user"))
     assert resolve_tracking_uri(blank, tmp_path / "queue-tmp") == f"sqlite:///{tmp_path.resolve()}/user/mlflow.db"
-    server = dataclasses.replace(p, mlflow=params_mod.Mlflow("voxdiff", "http://host:5000"))
+    server = dataclasses.replace(p, mlflow=params_mod.Mlflow("voxdiff", "http://host:5000", True, 10.0))
     assert resolve_tracking_uri(server, tmp_path) == "http://host:5000"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:1")
     assert resolve_tracking_uri(server, tmp_path) == "http://env:1"

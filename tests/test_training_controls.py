@@ -54,7 +54,8 @@ def test_shipped_ema_halflife_takes_effect_early(params_file):
 
 
 def test_effective_ema_halflife_is_logged(tiny_root):
-    p = make_params({"train.max_samples": 16, "train.ema_halflife_samples": 2.0, "train.ema_rampup_ratio": 0.5})
+    p = make_params({"train.max_samples": 16, "train.batch_size": 1, "train.accumulate_every": 2,
+                     "train.ema_halflife_samples": 2.0, "train.ema_rampup_ratio": 0.5})
     run_training(p, tiny_root, progress=False)
     with open(tiny_root / "metrics" / "train_curve.tsv") as fh:
         rows = list(csv.DictReader(fh, delimiter="\t"))
@@ -211,3 +212,48 @@ def test_flattening_compares_last_and_first_quarter_gains():
     assert flattening([1, 2], [1.0, 0.5]) is None
     linear = flattening([0, 100, 200, 300, 400], [4.0, 3.0, 2.0, 1.0, 0.0])
     assert linear == pytest.approx(1.0)  # still falling as fast as at the start
+
+
+# --- noise scale per timestep bucket -------------------------------------------------------------
+def test_b_simple_from_gram_known_numbers():
+    import numpy as np
+
+    from voxdiff.training.gns import b_simple_from_gram, bucket_edges, jackknife_se
+
+    rng = np.random.default_rng(0)
+    mean = np.full(2000, 0.1)  # |G|^2 = 20; per-sample noise N(0, 1) per coordinate: tr(Sigma) = 2000
+    g = mean + rng.standard_normal((64, 2000))
+    b, trace, grad_sq = b_simple_from_gram(g @ g.T)
+    assert trace == pytest.approx(2000, rel=0.05) and grad_sq == pytest.approx(20, rel=0.3)
+    assert b == pytest.approx(100, rel=0.3) and jackknife_se(g[:8] @ g[:8].T) > 0
+    assert bucket_edges(250, 4) == [(0, 62), (62, 125), (125, 188), (188, 250)]
+
+
+def test_bucket_noise_scale_matches_truth_and_leaves_training_alone(tiny_root, monkeypatch):
+    """With a constant prediction w = c and the epsilon target, every bucket's B_simple is 1/c^2; and a
+    run with the probe equals a run without it, weights and every shared history field."""
+    shape = (16, 16, 16)
+    monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes: ConstantPrediction(shape, 0.5))
+    cfg = {"train.max_steps": 3, "train.max_samples": 0, "diffusion.prediction": "epsilon",
+           "diffusion.loss": "l2", "train.gns_bucket_samples": 8}
+    tr = Trainer(make_params(cfg), tiny_root, init_runtime("cpu", "fp32"), open_cache(tiny_root / "data" / "processed"))
+    values = tr.bucket_noise_scale()
+    for b in range(4):
+        assert values[f"gns_t{b}"] == pytest.approx(4.0, rel=0.25), values
+        assert 0 < values[f"gns_t{b}_se"] < 2.0
+    monkeypatch.undo()
+
+    def run(every):
+        p = make_params({"train.max_samples": 12, "train.gns_buckets_every_samples": every,
+                         "train.gns_bucket_samples": 3, "train.val_every_samples": 4})
+        run_training(p, tiny_root, progress=False)
+        ck = torch.load(tiny_root / "models" / "checkpoint.pt", weights_only=True)
+        (tiny_root / "models" / "checkpoint.pt").unlink()
+        return ck
+
+    on, off = run(4), run(0)
+    assert all(torch.equal(on["model"][k], off["model"][k]) for k in on["model"])
+    shared = ("step", "samples_seen", "train_loss", "val_loss", "grad_norm", "gns")
+    assert [{k: h[k] for k in shared} for h in on["history"]] == [{k: h[k] for k in shared} for h in off["history"]]
+    probed = [h for h in on["history"] if "gns_t0" in h]
+    assert [h["samples_seen"] for h in probed] == [4, 8, 12] and not any("gns_t0" in h for h in off["history"])

@@ -156,6 +156,9 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "val_seed": integer(0),
         "checkpoint_every": integer(1),
         "gns_smoothing": number(0.0, 0.999),
+        "gns_buckets": integer(1),
+        "gns_bucket_samples": integer(3),
+        "gns_buckets_every_samples": integer(0),
     },
     "evaluate": {
         "subjects": integer(0),
@@ -242,6 +245,9 @@ class Train:
     val_seed: int
     checkpoint_every: int
     gns_smoothing: float
+    gns_buckets: int
+    gns_bucket_samples: int
+    gns_buckets_every_samples: int
 
 
 @dataclasses.dataclass(frozen=True)

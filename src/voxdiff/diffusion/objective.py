@@ -57,6 +57,19 @@ def val_draws(val_seed: int, n_subjects: int, per_subject: int, timesteps: int, 
     return out
 
 
+def probe_draws(seed: int, bucket: int, lo: int, hi: int, count: int, n_subjects: int,
+                shape: tuple[int, ...]) -> list[tuple[int, int, torch.Tensor]]:
+    """Fixed (subject position, timestep in [lo, hi), noise) draws for the noise-scale probe of one
+    timestep bucket: the same in every run with this seed, so buckets are comparable over training."""
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(stream_seed(seed, 0x6B5, bucket, i))
+        s = int(torch.randint(0, n_subjects, (1,), generator=g))
+        t = int(torch.randint(lo, max(hi, lo + 1), (1,), generator=g))
+        out.append((s, t, torch.randn(shape, generator=g)))
+    return out
+
+
 def per_sample_loss(net, inferer, scheduler, images, labels, noise, timesteps, num_classes: int,
                     diffusion_params) -> torch.Tensor:
     """Loss of each sample in the batch, shape [B]: mean over voxels of |pred - target| (l1) or squared,

@@ -29,6 +29,8 @@ class RunData:
     gns: np.ndarray
     peak_memory_mb: float
     start_time: int = 0        # ms since the epoch: runs are listed in start order (ties: run id)
+    # noise scale per timestep bucket: "gns_t0" -> (samples seen, values) at each probe
+    bucket_gns: dict = dataclasses.field(default_factory=dict)
 
     @property
     def has_val(self) -> bool:
@@ -119,6 +121,11 @@ def run_data(run_id: str, params: dict, tags: dict, metrics: dict, histories: di
              start_time: int = 0) -> RunData:
     """RunData from a run's params, tags, latest metrics and per-step histories (whatever the source)."""
     hist = {k: _curve(histories.get(k, {})) for k in CURVE_KEYS}
+    buckets = {}
+    for key in sorted(k for k in histories if k.startswith("gns_t") and k[5:].isdigit()):
+        b_steps, b_values = _curve(histories[key])
+        buckets[key] = (_at_steps(hist["samples_seen"], b_steps, b_steps * as_float(params.get("effective_batch_size"))),
+                        b_values)
     steps, val = hist["val_loss"]
     batch = as_float(params.get("effective_batch_size"))
     gns_steps, gns = hist["gns"]
@@ -129,12 +136,14 @@ def run_data(run_id: str, params: dict, tags: dict, metrics: dict, histories: di
         val_samples=_at_steps(hist["samples_seen"], steps, steps * batch),
         val_wall=_at_steps(hist["wall_time"], steps, np.full(len(steps), np.nan)),
         gns_samples=_at_steps(hist["samples_seen"], gns_steps, gns_steps * batch), gns=gns,
-        peak_memory_mb=float(memory.max()) if len(memory) else math.nan, start_time=int(start_time or 0))
+        peak_memory_mb=float(memory.max()) if len(memory) else math.nan, start_time=int(start_time or 0),
+        bucket_gns=buckets)
 
 
 def load_run(client, run) -> RunData:
     rid, logged = run.info.run_id, run.data.metrics
-    histories = {k: _history(client, rid, k) for k in CURVE_KEYS if k in logged}
+    keys = [k for k in logged if k in CURVE_KEYS or (k.startswith("gns_t") and k[5:].isdigit())]
+    histories = {k: _history(client, rid, k) for k in keys}
     return run_data(rid, run.data.params, run.data.tags, logged, histories, run.info.start_time)
 
 
@@ -214,7 +223,6 @@ def archive_text(record: dict) -> str:
 
 def write_archive(client, experiment: str, filter_string: str | None, tracking_uri: str, folder: Path) -> list[Path]:
     """Export every finished training run of the experiment to folder/<run id>.json (atomically)."""
-    import json
 
     from voxdiff.fsutil import write_text
 

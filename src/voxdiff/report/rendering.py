@@ -167,6 +167,7 @@ def make_figures(groups: dict[str, list[RunData]], group_by: str, out_path: Path
     ]
     paths = [plot_curves(groups, group_by, x_of, y_of, xlabel, ylabel, Path(f"{stem}_{name}.png"))
              for name, x_of, y_of, xlabel, ylabel in specs]
+    paths.append(plot_bucket_gns(groups, group_by, Path(f"{stem}_gns_buckets_vs_samples.png")))
     return [p for p in paths if p is not None]
 
 
@@ -262,3 +263,72 @@ def reached_cell(values: list[float], g: GroupSummary, spec: str) -> str:
         return "not reached"
     cell = mean_std(values, spec)
     return cell if g.reached == g.n else f"{cell} ({g.reached}/{g.n})"
+
+
+# --- noise scale per timestep bucket --------------------------------------------------------------
+PHASES = ("early", "middle", "late")
+
+
+def bucket_phase_values(runs: list[RunData], bucket: str) -> dict[str, list[float]]:
+    """Per phase (first, middle and last probe of each run), the runs' B_simple of one bucket."""
+    out = {p: [] for p in PHASES}
+    for r in runs:
+        _, values = r.bucket_gns.get(bucket, ((), ()))
+        if len(values):
+            for phase, i in zip(PHASES, (0, len(values) // 2, len(values) - 1)):
+                if np.isfinite(values[i]):
+                    out[phase].append(float(values[i]))
+    return out
+
+
+def bucket_section(by_key: dict[str, list[RunData]], group_by: str) -> list[str]:
+    """B_simple per timestep bucket, early / middle / late in training, and the accumulate_every each
+    implies at the runs' micro-batch (k* = B / micro-batch, nearest power of two)."""
+    buckets = sorted({b for runs in by_key.values() for r in runs for b in r.bucket_gns},
+                     key=lambda b: int(b[5:]))
+    if not buckets:
+        return []
+    lines = ["## Noise scale per timestep bucket", "",
+             "B_simple from single-sample gradients on fixed probe draws per bucket of the noise schedule "
+             "(t0 = least noise), at the first, middle and last probe of each run; mean ± std over seeds, "
+             "and the accumulate_every it implies at the runs' micro-batch (k*).", "",
+             "| setting | bucket | early | middle | late | k* early → late |", "|---|---|---|---|---|---|"]
+    for key, runs in by_key.items():
+        micro = most_common_int(runs, "train.batch_size") or 1
+        for b in buckets:
+            phases = bucket_phase_values(runs, b)
+            if not any(phases.values()):
+                continue
+            ks = [balanced_accumulate_every(float(np.mean(v)), micro, 1) if v and np.mean(v) > 0 else None
+                  for v in (phases["early"], phases["late"])]
+            k_text = " → ".join("—" if k is None else str(k) for k in ks)
+            lines.append(f"| {group_by}={key} | {b[4:]} | " + " | ".join(mean_std(phases[p], ".3g") for p in PHASES)
+                         + f" | {k_text} |")
+    return lines + [""]
+
+
+def plot_bucket_gns(by_key: dict[str, list[RunData]], group_by: str, path: Path) -> Path | None:
+    from matplotlib.figure import Figure
+
+    buckets = sorted({b for runs in by_key.values() for r in runs for b in r.bucket_gns}, key=lambda b: int(b[5:]))
+    if not buckets:
+        return None
+    fig = Figure(figsize=(3.2 * len(buckets), 3.6), dpi=110, layout="constrained")
+    axes = fig.subplots(1, len(buckets), squeeze=False)[0]
+    for ax, b in zip(axes, buckets):
+        for key, runs in by_key.items():
+            curves = [r.bucket_gns[b] for r in runs if b in r.bucket_gns and len(r.bucket_gns[b][0])]
+            curves = [(x, y) for x, y in curves if np.isfinite(y).all()]
+            band = mean_band(curves) if curves else None
+            if band is not None:
+                x, mean, lo, hi = band
+                line, = ax.plot(x, mean, marker=".", label=f"{group_by}={key}")
+                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.set(title=f"bucket {b[4:]}", xlabel="samples seen")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("B_simple")
+    axes[0].legend(fontsize="x-small")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return path

@@ -152,7 +152,7 @@ class RunTracker:
         metrics = []
         for h in new:
             ts = int(1000 * h.get("timestamp", 0)) or 0
-            for key in METRIC_KEYS:
+            for key in METRIC_KEYS + tuple(k for k in h if k.startswith("gns_t")):
                 v = h.get(key)
                 if v is not None and math.isfinite(v):
                     metrics.append(Metric(key, float(v), ts, int(h["step"])))

@@ -118,3 +118,44 @@ def balanced_accumulate_every(b_noise: float, micro_batch: int, world_size: int 
         raise ValueError(f"noise scale must be positive, got {b_noise}")
     k = b_noise / (micro_batch * world_size)
     return 1 if k <= 1 else 2 ** round(math.log2(k))
+
+
+# --- noise scale per timestep bucket ---------------------------------------------------------------
+def b_simple_from_gram(gram) -> tuple[float, float, float]:
+    """(B_simple, tr(Sigma), |G|^2) from the Gram matrix of n single-sample gradients g_i.
+
+    Unbiased: |G|^2 = mean over i != j of <g_i, g_j> (independent samples), tr(Sigma) = mean |g_i|^2 - |G|^2.
+    B_simple is NaN when the |G|^2 estimate is not positive (the gradient is lost in the noise).
+    """
+    import numpy as np
+
+    gram = np.asarray(gram, np.float64)
+    n = gram.shape[0]
+    if n < 2:
+        raise ValueError("need at least 2 gradients")
+    diag = float(np.trace(gram)) / n
+    off = (float(gram.sum()) - float(np.trace(gram))) / (n * (n - 1))
+    trace = diag - off
+    return (trace / off if off > 0 else float("nan")), trace, off
+
+
+def jackknife_se(gram) -> float:
+    """Jackknife standard error of B_simple over the n samples (leave one out): the spread that
+    comes with each per-bucket value. NaN when any leave-one-out estimate is undefined."""
+    import numpy as np
+
+    gram = np.asarray(gram, np.float64)
+    n = gram.shape[0]
+    if n < 3:
+        return float("nan")
+    keep = [np.delete(np.arange(n), i) for i in range(n)]
+    values = np.array([b_simple_from_gram(gram[np.ix_(k, k)])[0] for k in keep])
+    if not np.isfinite(values).all():
+        return float("nan")
+    return float(np.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
+
+
+def bucket_edges(timesteps: int, buckets: int) -> list[tuple[int, int]]:
+    """[lo, hi) timestep ranges of equal width; bucket 0 holds the least noisy timesteps."""
+    cuts = [round(i * timesteps / buckets) for i in range(buckets + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(buckets)]

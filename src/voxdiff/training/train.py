@@ -120,6 +120,9 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
                 # only rank 0 runs it (the EMA weights are the same on every rank).
                 if rt.is_main and (last or crossed(before, c.samples_seen, params.train.val_every_samples)):
                     record["val_loss"] = trainer.validation_loss()
+                every = params.train.gns_buckets_every_samples
+                if rt.is_main and every and (last or crossed(before, c.samples_seen, every)):
+                    record.update(trainer.bucket_noise_scale())
                 c.history.append(record)
                 report_progress(rt, bar, record, budget.total_steps)
                 if due(c.step, params.train.checkpoint_every, budget.total_steps) and not last:

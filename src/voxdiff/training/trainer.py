@@ -221,6 +221,35 @@ class Trainer:
         return objective.validation_loss(self.ema.module, self.inferer, self.scheduler, self.cache, self.val_rows,
                                          self.val_set, self.p.diffusion, self.rt.device, self.rt.autocast)
 
+    # --- noise scale per timestep bucket ---------------------------------------------------------
+    def bucket_noise_scale(self) -> dict:
+        """B_simple per timestep bucket from single-sample gradients of the current weights on fixed
+        probe draws (train.gns_bucket_samples per bucket, training subjects): {"gns_t0": ..., "gns_t0_se":
+        ...}. The denoising target's variance depends on the noise level, so one B_noise per run
+        averages over very different problems. Touches neither .grad, the optimizer nor any RNG
+        (training stays bit for bit the same with the probe on or off)."""
+        tr, d = self.p.train, self.p.diffusion
+        params = [q for q in self.net.parameters() if q.requires_grad]
+        out = {}
+        for b, (lo, hi) in enumerate(gns.bucket_edges(d.timesteps, tr.gns_buckets)):
+            draws = objective.probe_draws(self.p.seed, b, lo, hi, tr.gns_bucket_samples, len(self.train_rows),
+                                          (1, *self.shape))
+            flat = []
+            for s, t, noise in draws:
+                images, labels = (to_device(torch.from_numpy(a), self.rt.device)
+                                  for a in self.cache.stack([int(self.train_rows[s])]))
+                loss = self.losses(self.net, images, labels,
+                                   to_device(torch.tensor([t], dtype=torch.long), self.rt.device),
+                                   to_device(noise[None], self.rt.device)).sum()
+                grads = torch.autograd.grad(loss, params)
+                flat.append(torch.cat([g.reshape(-1).float() for g in grads]))
+            stacked = torch.stack(flat)
+            gram = (stacked @ stacked.T).double().cpu().numpy()  # one host read per bucket
+            value, _, _ = gns.b_simple_from_gram(gram)
+            out[f"gns_t{b}"] = value if math.isfinite(value) else None
+            out[f"gns_t{b}_se"] = gns.jackknife_se(gram) if math.isfinite(value) else None
+        return out
+
     # --- checkpoints ------------------------------------------------------------------------------
     def state(self, finished: bool, run_id: str | None) -> dict:
         c = self.counters
