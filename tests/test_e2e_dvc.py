@@ -61,6 +61,22 @@ def make_repo(path: Path, overrides: dict | None = None) -> Path:
     return path
 
 
+def run_queue(repo: Path, grid: str, jobs: int, timeout_s: float = 600) -> None:
+    """Queue the grid (one -S), run the queue with `jobs` workers, wait; fail with the failed tasks' logs."""
+    import time
+
+    sh(repo, "dvc", "exp", "run", "--queue", "-S", grid)
+    sh(repo, "dvc", "queue", "start", "-j", str(jobs))
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        status = sh(repo, "dvc", "queue", "status").stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        time.sleep(3)
+    failed = [line.split()[0] for line in status.splitlines() if "Failed" in line]
+    assert not failed, status + "".join(sh(repo, "dvc", "queue", "logs", t, check=False).stdout[-3000:] for t in failed)
+
+
 def mlflow_runs(repo: Path) -> list:
     from mlflow.tracking import MlflowClient
 
@@ -133,17 +149,7 @@ def test_queued_grid_creates_one_run_each(tmp_path):
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "data")
     assert not (repo / "mlflow.db").exists()
-    sh(repo, "dvc", "exp", "run", "--queue", "-S", "train.accumulate_every=1,2,4")
-    sh(repo, "dvc", "queue", "start", "-j", "2")
-    import time
-
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        status = sh(repo, "dvc", "queue", "status").stdout
-        if "Queued" not in status and "Running" not in status:
-            break
-        time.sleep(3)
-    assert "Failed" not in status, status + sh(repo, "dvc", "queue", "logs", status.split()[0], check=False).stdout
+    run_queue(repo, "train.accumulate_every=1,2,4", jobs=2)
     client, runs = mlflow_runs(repo)
     settings = sorted(r.data.params["train.accumulate_every"] for r in runs)
     assert settings == ["1", "2", "4"], settings

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_e2e_dvc import make_repo, sh
+from test_e2e_dvc import make_repo, run_queue, sh
 
 pytestmark = pytest.mark.slow
 
@@ -68,15 +68,7 @@ def test_queued_grid_through_a_real_mlflow_server(tmp_path, server):
     sh(repo, "dvc", "repro", "preprocess")
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "data")
-    sh(repo, "dvc", "exp", "run", "--queue", "-S", "train.accumulate_every=1,2")
-    sh(repo, "dvc", "queue", "start", "-j", "1")
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        status = sh(repo, "dvc", "queue", "status").stdout
-        if "Queued" not in status and "Running" not in status:
-            break
-        time.sleep(3)
-    assert "Failed" not in status, status + sh(repo, "dvc", "queue", "logs", status.split()[0], check=False).stdout
+    run_queue(repo, "train.accumulate_every=1,2", jobs=1)
     assert not (repo / "mlflow.db").exists()  # everything went to the server
 
     exp = api(server, "experiments/get-by-name?experiment_name=grid")["experiment"]

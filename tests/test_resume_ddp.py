@@ -143,8 +143,9 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path, max_samples):
 
 def test_ddp_no_sync_accumulation_matches_one_process(tmp_path):
     """2 processes x accumulate 2 (the no_sync path) equal 1 process x accumulate 4, with gradient
-    clipping on (1.0): weights, EMA weights and the logged pre-clip gradient norms."""
-    common = {"train.max_samples": 16, "train.batch_size": 1, "train.grad_clip": 1.0}
+    clipping on: weights, EMA weights and the logged pre-clip gradient norms. The tiny model's norms are
+    0.6-0.8, so the limit is 0.5 (the default 1.0 would never clip here and test nothing)."""
+    common = {"train.max_samples": 16, "train.batch_size": 1, "train.grad_clip": 0.5}
     single = project(tmp_path / "single", {**common, "train.accumulate_every": 4})
     subprocess.run(train_cmd(single), env=env_for(single), check=True, capture_output=True)
     ddp = project(tmp_path / "ddp", {**common, "train.accumulate_every": 2})
@@ -156,4 +157,4 @@ def test_ddp_no_sync_accumulation_matches_one_process(tmp_path):
     norms_a = [h["grad_norm"] for h in a["history"]]
     norms_b = [h["grad_norm"] for h in b["history"]]
     assert norms_b == pytest.approx(norms_a, rel=1e-5)
-    assert max(norms_a) > 1.0  # clipping was active, so the comparison covers it
+    assert min(norms_a) > 0.5  # clipping was active at every step, so the comparison covers it

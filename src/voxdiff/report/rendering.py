@@ -173,14 +173,16 @@ def make_figures(groups: dict[str, list[RunData]], group_by: str, out_path: Path
 
 def summary_table(groups: list[GroupSummary], group_by: str) -> list[str]:
     head = ("| setting | micro-batch | accumulate_every | effective batch | lr | seeds | final val loss | steps "
-            "to target | samples to target | time to target (s) | total wall time (s) | peak memory (MB) |")
+            "to target | samples to target | time to target (s) | total wall time (s) | peak memory (MB) | "
+            "val flattening |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for g in groups:
         s = g.setting
         stats = (f"{mean_std(g.final_val, '.4g', '.2g')} | {reached_cell(g.steps_to_target, g, '.0f')} | "
                  f"{reached_cell(g.samples_to_target, g, '.0f')} | {reached_cell(g.time_to_target, g, '.1f')} | "
-                 f"{mean_std(g.total_wall_time, '.1f')} | {mean_std(g.peak_memory_mb, '.0f')}"
-                 if g.n else "no val_loss | — | — | — | — | —")
+                 f"{mean_std(g.total_wall_time, '.1f')} | {mean_std(g.peak_memory_mb, '.0f')} | "
+                 f"{mean_std(g.flattening, '.2f')}"
+                 if g.n else "no val_loss | — | — | — | — | — | —")
         lines.append(f"| {group_by}={g.key} | {s['micro-batch']} | {s['accumulate_every']} | "
                      f"{s['effective batch']} | {s['lr']} | {g.n} | {stats} |")
     return lines
@@ -225,8 +227,10 @@ def render_report(*, experiment: str, source: str, group_by: str, filter_string:
     else:
         how = ("given by the user" if target_given
                else "the highest of the runs' best val losses, a level every run reached")
-        lines.append(f"Target val loss **{target:.4g}** ({how}). Steps/samples/time to target: first validation "
-                     "at or below it, mean ± std over the runs that reached it (k/n when not all did).")
+        lines.append(f"Target val loss **{target:.4g}** ({how}). Steps/samples/time to target: where the val "
+                     "curve first reaches it, interpolated between validations, mean ± std over the runs that "
+                     "reached it (k/n when not all did). Val flattening: the last quarter's val-loss gain over "
+                     "the first quarter's (near 0: the run has reached its plateau).")
     lines += ["", *summary_table(groups, group_by), "", *eval_table(groups, group_by), *noise_lines]
     lines += ["", *(f"![{p.stem}]({p.name})" for p in figures if "gns" in p.name)]
     lines += ["", *reading_lines, "", *runs_table(by_key, group_by), ""]

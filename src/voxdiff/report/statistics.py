@@ -30,6 +30,7 @@ class GroupSummary:
     total_wall_time: list[float]
     peak_memory_mb: list[float]
     gns: list[float]                  # last measured value per run
+    flattening: list[float]           # val_flattening per run (last quarter's val gain / first quarter's)
     eval: dict[str, list[float]]
 
     @property
@@ -71,6 +72,7 @@ def summarize_group(key: str, runs: list[RunData], target: float | None) -> Grou
                          if not math.isnan(t := r.metrics.get("total_wall_time", float(r.val_wall[-1])))],
         peak_memory_mb=[r.peak_memory_mb for r in with_val if not math.isnan(r.peak_memory_mb)],
         gns=[float(r.gns[-1]) for r in with_val if len(r.gns)],
+        flattening=[r.metrics["val_flattening"] for r in with_val if "val_flattening" in r.metrics],
         eval={k: [r.metrics[k] for r in with_val if k in r.metrics] for k in evals},
     )
 

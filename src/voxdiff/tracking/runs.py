@@ -117,7 +117,8 @@ class RunTracker:
             "voxdiff.git_commit": git_commit(root), **tags,
         }
         try:
-            run = client.create_run(exp_id, run_name=name, tags=all_tags)
+            # Tag values must be strings over the REST API (a SQLite store would take ints).
+            run = client.create_run(exp_id, run_name=name, tags={k: str(v) for k, v in all_tags.items()})
             tracker = cls(uri, run.info.run_id)
             tracker._log_params({**params.flat(), **extra_params})
         except Exception as e:

@@ -124,7 +124,7 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
                 if rt.is_main and every and (last or crossed(before, c.samples_seen, every)):
                     record.update(trainer.bucket_noise_scale())
                 c.history.append(record)
-                report_progress(rt, bar, record, budget.total_steps)
+                report_progress(rt, bar, record, budget)
                 if due(c.step, params.train.checkpoint_every, budget.total_steps) and not last:
                     save(finished=False)
                 if interrupt.requested(rt):
@@ -148,7 +148,7 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
             monitor.finish()
 
     save(finished=True)
-    summary = summarize(trainer, params, rt, tracker)
+    summary = summarize(trainer, params, rt, tracker) if rt.is_main else {}  # validation ran on rank 0 only
     if rt.is_main:
         write_outputs(out, trainer, summary)
         if tracker:
@@ -281,10 +281,12 @@ def make_bar(rt: Runtime, total: int, start: int, progress: bool | None):
     interactive = sys.stderr.isatty() if progress is None else progress
     if not rt.is_main or not interactive:
         return None
-    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, desc="train")
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, desc="train")  # ETA: tqdm's own
 
 
-def report_progress(rt: Runtime, bar, record: dict, total: int) -> None:
+def report_progress(rt: Runtime, bar, record: dict, budget) -> None:
+    """tqdm bar (step, samples, loss, val loss, samples/s, ETA) on a terminal; a plain line at each
+    validation otherwise (DVC queue logs, CI), with the same fields."""
     if not rt.is_main:
         return
     post = {"samples": record["samples_seen"], "loss": f"{record['train_loss']:.4f}",
@@ -295,4 +297,7 @@ def report_progress(rt: Runtime, bar, record: dict, total: int) -> None:
         bar.set_postfix(post, refresh=False)
         bar.update(1)
     elif record["val_loss"] is not None:
-        say(rt, f"step {record['step']}/{total} " + " ".join(f"{k} {v}" for k, v in post.items()))
+        rate = record["samples_seen"] / max(record["wall_time"], 1e-9)  # training time only, over the run
+        left = (budget.total_samples - record["samples_seen"]) / max(rate, 1e-9)
+        post["eta"] = f"{int(left // 60)}m{int(left % 60):02d}s"
+        say(rt, f"step {record['step']}/{budget.total_steps} " + " ".join(f"{k} {v}" for k, v in post.items()))
