@@ -257,3 +257,59 @@ def test_bucket_noise_scale_matches_truth_and_leaves_training_alone(tiny_root, m
     assert [{k: h[k] for k in shared} for h in on["history"]] == [{k: h[k] for k in shared} for h in off["history"]]
     probed = [h for h in on["history"] if "gns_t0" in h]
     assert [h["samples_seen"] for h in probed] == [4, 8, 12] and not any("gns_t0" in h for h in off["history"])
+
+
+# --- GPU-path wiring that a CPU can still check ------------------------------------------------------
+def test_flash_attention_switch_keeps_the_network_and_is_on_for_cuda_only(tiny_root, monkeypatch):
+    """MONAI's use_flash_attention (torch SDPA) gives the same outputs from the same weights; the trainer
+    turns it on only for CUDA devices."""
+    from voxdiff.diffusion.model import build_network
+
+    p = make_params()
+    torch.manual_seed(0)
+    plain = build_network(p.model, 3)
+    flash = build_network(p.model, 3, flash_attention=True)
+    flash.load_state_dict(plain.state_dict())
+    x, t = torch.randn(2, 4, 16, 16, 16), torch.tensor([3, 40])
+    with torch.no_grad():
+        assert torch.allclose(plain(x, timesteps=t), flash(x, timesteps=t), atol=1e-5)
+    seen = []
+    monkeypatch.setattr(trainer_mod, "build_network",
+                        lambda model, classes, flash_attention=False: seen.append(flash_attention) or plain)
+    Trainer(p, tiny_root, init_runtime("cpu", "fp32"), open_cache(tiny_root / "data" / "processed"))
+    assert seen == [False]
+
+
+def test_explicit_cuda_device_is_refused_under_torchrun(monkeypatch):
+    """train.device: cuda:1 under torchrun would put every rank on GPU 1: refused with the key named."""
+    from voxdiff.errors import VoxdiffError
+    from voxdiff.training.distributed import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(VoxdiffError, match="train.device is 'cuda:1' under torchrun"):
+        pick_device("cuda:1", local_rank=1, world_size=2)
+    assert pick_device("cuda", local_rank=1, world_size=2) == torch.device("cuda:1")
+    assert pick_device("cuda:1", local_rank=0, world_size=1) == torch.device("cuda:1")
+
+
+def test_sampling_runs_the_network_under_the_training_autocast():
+    """Evaluation samples under the precision training used (bf16 where auto picks it): the autocast
+    context wraps every network call of the sampler, and the result stays float32 in [-1, 1]."""
+    import contextlib
+
+    from voxdiff.diffusion import sampling
+    from voxdiff.diffusion.model import build_network
+
+    p = make_params()
+    net = build_network(p.model, 3).eval()
+    entered = []
+
+    @contextlib.contextmanager
+    def counting():
+        entered.append(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+
+    labels = torch.zeros(1, 16, 16, 16, dtype=torch.long)
+    out = sampling.generate(net, p.diffusion, labels, 3, 4, seed=0, progress=False, autocast=counting)
+    assert len(entered) == 4 and out.dtype == torch.float32 and out.abs().max() <= 1.0

@@ -10,8 +10,12 @@ from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
 from voxdiff.params import Diffusion, Model
 
 
-def build_network(model: Model, num_classes: int) -> DiffusionModelUNet:
-    """3D UNet whose input is the noisy image concatenated with the one-hot label map (med-ddpm style)."""
+def build_network(model: Model, num_classes: int, flash_attention: bool = False) -> DiffusionModelUNet:
+    """3D UNet whose input is the noisy image concatenated with the one-hot label map (med-ddpm style).
+
+    flash_attention: MONAI's switch to torch's fused scaled_dot_product_attention; the callers turn it on
+    for CUDA devices (same weights and results, less memory for the attention at 16^3 in the GPU preset).
+    """
     net = DiffusionModelUNet(
         spatial_dims=3,
         in_channels=1 + num_classes,
@@ -21,6 +25,7 @@ def build_network(model: Model, num_classes: int) -> DiffusionModelUNet:
         num_res_blocks=model.num_res_blocks,
         norm_num_groups=model.norm_num_groups,
         num_head_channels=model.num_head_channels,
+        use_flash_attention=flash_attention,
     )
     if model.activation_checkpointing:
         enable_activation_checkpointing(net)

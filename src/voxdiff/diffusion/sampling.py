@@ -91,7 +91,8 @@ def load_ema_network(ckpt_state: dict, device, source="checkpoint", num_classes:
         raise VoxdiffError(f"{source}: trained for {classes} label classes, but the label maps here have "
                            f"{num_classes}; use a checkpoint trained on this data")
     # Inference never needs activation checkpointing (it only trades memory in backward).
-    net = build_network(dataclasses.replace(model, activation_checkpointing=False), classes)
+    net = build_network(dataclasses.replace(model, activation_checkpointing=False), classes,
+                        flash_attention=torch.device(device).type == "cuda")
     weights = {k[len("module."):]: v for k, v in ckpt_state["ema"].items() if k.startswith("module.")}
     if not weights:
         raise VoxdiffError(f"{source}: no EMA weights of a network in its EMA state (keys module.*)")

@@ -70,7 +70,8 @@ class Trainer:
         self.shape = tuple(cache.images.shape[1:])
 
         torch.manual_seed(params.seed)
-        net = build_network(dataclasses.replace(params.model, activation_checkpointing=False), self.num_classes)
+        net = build_network(dataclasses.replace(params.model, activation_checkpointing=False), self.num_classes,
+                            flash_attention=rt.device.type == "cuda")
         self.net = net.to(rt.device)
         # The EMA copy is taken before activation checkpointing patches the blocks' forward.
         self.ema = AveragedModel(self.net, use_buffers=True)
