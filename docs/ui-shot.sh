@@ -10,6 +10,7 @@ DB=${UI_DB:-mlflow.db}
 EXP=${UI_EXPERIMENT:-voxdiff}
 OUT=${UI_OUT:-docs/mlflow-compare.png}
 MAX_RUNS=${UI_MAX_RUNS:-8}
+FILTER=${UI_FILTER:-}   # extra MLflow filter, e.g. "params.\`train.batch_size\` = '2'"
 [ -f "$DB" ] || { echo "no MLflow store at $DB: train first (make demo, make study)" >&2; exit 1; }
 command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 PORT=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
@@ -18,15 +19,16 @@ mlflow server --backend-store-uri "sqlite:///$PWD/$DB" --host 127.0.0.1 --port "
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.5; done
-URL=$(python - "$PORT" "$EXP" "$MAX_RUNS" <<'PY'
+URL=$(python - "$PORT" "$EXP" "$MAX_RUNS" "$FILTER" <<'PY'
 import json, sys, urllib.parse
 from mlflow import MlflowClient
-port, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+port, name, n, extra = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 client = MlflowClient(f"http://127.0.0.1:{port}")
 exp = client.get_experiment_by_name(name)
 if exp is None:
     sys.exit(f"no experiment {name!r} in the store")
-runs = client.search_runs([exp.experiment_id], "tags.`voxdiff.kind` = 'train' and attributes.status = 'FINISHED'",
+query = "tags.`voxdiff.kind` = 'train' and attributes.status = 'FINISHED'" + (f" and {extra}" if extra else "")
+runs = client.search_runs([exp.experiment_id], query,
                           order_by=["params.`train.accumulate_every` ASC", "attributes.start_time ASC"], max_results=n)
 ids = [r.info.run_id for r in runs]
 q = lambda v: urllib.parse.quote(json.dumps(v))

@@ -110,7 +110,7 @@ class ConstantPrediction(torch.nn.Module):
 @pytest.mark.parametrize("c,batch,k", [(0.5, 1, 4), (0.25, 2, 2)])
 def test_trainer_noise_scale_matches_analytic_truth(tiny_root, monkeypatch, c, batch, k):
     shape = (16, 16, 16)
-    monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes: ConstantPrediction(shape, c))
+    monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes, **kw: ConstantPrediction(shape, c))
     p = make_params({"train.batch_size": batch, "train.accumulate_every": k, "train.max_steps": 60,
                      "train.max_samples": 0, "train.lr": 1.0e-12, "train.warmup_samples": 0,
                      "train.grad_clip": 0.0, "train.gns_smoothing": 0.9, "diffusion.prediction": "epsilon",
@@ -233,7 +233,7 @@ def test_bucket_noise_scale_matches_truth_and_leaves_training_alone(tiny_root, m
     """With a constant prediction w = c and the epsilon target, every bucket's B_simple is 1/c^2; and a
     run with the probe equals a run without it, weights and every shared history field."""
     shape = (16, 16, 16)
-    monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes: ConstantPrediction(shape, 0.5))
+    monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes, **kw: ConstantPrediction(shape, 0.5))
     cfg = {"train.max_steps": 3, "train.max_samples": 0, "diffusion.prediction": "epsilon",
            "diffusion.loss": "l2", "train.gns_bucket_samples": 8}
     tr = Trainer(make_params(cfg), tiny_root, init_runtime("cpu", "fp32"), open_cache(tiny_root / "data" / "processed"))

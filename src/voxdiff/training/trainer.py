@@ -244,11 +244,17 @@ class Trainer:
                                    to_device(noise[None], self.rt.device)).sum()
                 grads = torch.autograd.grad(loss, params)
                 flat.append(torch.cat([g.reshape(-1).float() for g in grads]))
-            stacked = torch.stack(flat)
-            gram = (stacked @ stacked.T).double().cpu().numpy()  # one host read per bucket
-            value, _, _ = gns.b_simple_from_gram(gram)
+            stacked = torch.stack(flat).double()
+            finite = torch.isfinite(stacked).all(dim=1)
+            stacked = stacked[finite]
+            gram = (stacked @ stacked.T).cpu().numpy()  # one host read per bucket
+            value, trace, grad_sq = gns.b_simple_from_gram(gram) if len(gram) >= 3 else (float("nan"),) * 3
+            # |G|^2 <= 0 means the probe's gradients are dominated by noise: B is too large to resolve
+            # with this many samples (None), and the raw estimates are logged so a reader can see it.
             out[f"gns_t{b}"] = value if math.isfinite(value) else None
+            out[f"gns_t{b}_grad_sq"], out[f"gns_t{b}_trace"] = grad_sq, trace
             out[f"gns_t{b}_se"] = gns.jackknife_se(gram) if math.isfinite(value) else None
+            out[f"gns_t{b}_dropped"] = int((~finite).sum())  # probe gradients with inf/NaN (left out)
         return out
 
     # --- checkpoints ------------------------------------------------------------------------------
