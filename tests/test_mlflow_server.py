@@ -62,7 +62,7 @@ def server(tmp_path):
         proc.kill()
 
 
-def test_queued_grid_through_a_real_mlflow_server(tmp_path, server):
+def test_queued_grid_through_a_real_mlflow_server(tmp_path, server, monkeypatch):
     repo = make_repo(tmp_path / "proj", {"mlflow.tracking_uri": server, "mlflow.experiment": "grid",
                                          "mlflow.system_metrics_interval_s": 1.0})
     sh(repo, "dvc", "repro", "preprocess")
@@ -90,6 +90,9 @@ def test_queued_grid_through_a_real_mlflow_server(tmp_path, server):
     import mlflow
     import torch
 
+    # mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI in os.environ: monkeypatch restores it after
+    # the test, so later tests (and their subprocesses) do not talk to this stopped server.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     mlflow.set_tracking_uri(server)
     net = mlflow.pytorch.load_model(f"runs:/{found[0]['info']['run_id']}/ema_model")
     info = mlflow.models.get_model_info(f"runs:/{found[0]['info']['run_id']}/ema_model")
@@ -98,3 +101,4 @@ def test_queued_grid_through_a_real_mlflow_server(tmp_path, server):
     shape = meta["shape"]
     x = torch.zeros(1, 1 + meta["num_classes"], *shape)
     assert net(x, timesteps=torch.zeros(1, dtype=torch.long)).shape == (1, 1, *shape)
+    mlflow.set_tracking_uri("")  # and MLflow's in-process default back to its own
