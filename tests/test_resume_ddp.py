@@ -57,7 +57,7 @@ def without_timing(history: list[dict]) -> list[dict]:
 
 def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
     cfg = {"train.max_samples": 160, "train.batch_size": 1, "train.accumulate_every": 2,
-           "train.checkpoint_every": 4, "train.val_every_samples": 8}
+           "train.checkpoint_every": 4, "train.val_every_samples": 8, "train.phema_snapshot_every_samples": 16}
     ref = project(tmp_path / "ref", cfg)
     subprocess.run(train_cmd(ref), env=env_for(ref), check=True, capture_output=True)
 
@@ -78,9 +78,18 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {ckpt} at step {killed_at['step']}" in resumed.stderr
     a, b = load_ckpt(ref), load_ckpt(run)
-    for key in ("model", "ema", "optimizer", "gns"):
+    for key in ("model", "ema", "optimizer", "gns", "phema"):
         assert same_tensors(a[key], b[key]), key
     assert (a["step"], a["samples_seen"]) == (b["step"], b["samples_seen"]) == (80, 160)
+    # Post-hoc EMA: the same snapshots (8 per profile, none left over from past the kill), hence the
+    # same reconstructed val losses.
+    snaps = lambda root: sorted(p.name for p in (root / "models" / "phema").glob("*.pt"))  # noqa: E731
+    assert snaps(ref) == snaps(run) and len(snaps(ref)) == 2 * 10
+    for name in snaps(ref):
+        assert same_tensors(torch.load(ref / "models" / "phema" / name), torch.load(run / "models" / "phema" / name))
+    ma, mb = (yaml.safe_load((r / "metrics" / "train.json").read_text()) for r in (ref, run))
+    assert {k: v for k, v in ma.items() if k.startswith("phema_")} == {k: v for k, v in mb.items() if k.startswith("phema_")}
+    assert "phema_best_val_loss" in ma
     assert without_timing(a["history"]) == without_timing(b["history"])
 
     # The resumed training continued the same MLflow run without logging any step twice.

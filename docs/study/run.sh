@@ -24,7 +24,14 @@ while read -r overrides; do
 done < .study-queue
 rm -f .study-queue
 dvc queue start -j 1
-while status=$(dvc queue status) && grep -qE 'Queued|Running' <<<"$status"; do export_runs; sleep 60; done
+# Export each run as soon as it finishes (when the queue's count of finished runs goes up), so an
+# interrupted study keeps every run that completed.
+done_before=0
+while status=$(dvc queue status) && grep -qE 'Queued|Running' <<<"$status"; do
+  done_now=$(grep -cE 'Success|Failed' <<<"$status" || true)
+  if [ "$done_now" != "$done_before" ]; then export_runs; done_before=$done_now; fi
+  sleep 30
+done
 export_runs
 python docs/study/grid.py status
 bash docs/study/report.sh

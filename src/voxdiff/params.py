@@ -95,6 +95,22 @@ def number_list(length: int, lo: float, hi: float | None = None, lo_open: bool =
     return check
 
 
+def sigma_rels(lo_len: int) -> Check:
+    """Distinct post-hoc EMA lengths in (0, MAX_SIGMA_REL); an empty list (off) or at least lo_len."""
+    hi = 0.28  # voxdiff.training.posthoc_ema.MAX_SIGMA_REL (not imported: params loads without torch)
+
+    def check(key, v):
+        want = f"[] or a list of at least {lo_len} distinct numbers in (0, {hi})"
+        if not isinstance(v, list) or (v and len(v) < lo_len) or len(set(map(str, v))) != len(v):
+            raise _fail(key, want, v)
+        for x in v:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < hi:
+                raise _fail(key, want, v)
+        return tuple(float(x) for x in v)
+
+    return check
+
+
 def bool_list(key, v):
     if not isinstance(v, list) or not v or not all(isinstance(x, bool) for x in v):
         raise _fail(key, "a list of true/false", v)
@@ -159,6 +175,9 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "gns_buckets": integer(1),
         "gns_bucket_samples": integer(3),
         "gns_buckets_every_samples": integer(0),
+        "phema_sigma_rels": sigma_rels(2),
+        "phema_snapshot_every_samples": integer(1),
+        "phema_eval_sigma_rels": sigma_rels(1),
     },
     "evaluate": {
         "subjects": integer(0),
@@ -248,6 +267,9 @@ class Train:
     gns_buckets: int
     gns_bucket_samples: int
     gns_buckets_every_samples: int
+    phema_sigma_rels: tuple[float, ...]
+    phema_snapshot_every_samples: int
+    phema_eval_sigma_rels: tuple[float, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +367,9 @@ def _cross_checks(p: Params) -> None:
     if attn:
         raise ParamsError(f"params.yaml: model.num_head_channels={m.num_head_channels} must divide the channels of "
                           f"every attention level, not {attn[0]}")
+    if t.phema_sigma_rels and not t.phema_eval_sigma_rels:
+        raise _fail("train.phema_eval_sigma_rels", "at least one EMA length to reconstruct when "
+                    "train.phema_sigma_rels is set", [])
     if any(not 0 <= b < 1 for b in t.adam_betas):
         raise _fail("train.adam_betas", "two numbers in [0, 1)", list(t.adam_betas))
     down = 2 ** (len(m.channels) - 1)

@@ -58,6 +58,8 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
     say(rt, why)
     if state is not None:
         trainer.restore(state)
+    if trainer.phema is not None and rt.is_main:
+        trainer.phema.drop_snapshots_after(trainer.phema.step)  # an abandoned run's, or a newer-than-checkpoint one
     if state is not None and state.get("finished"):
         # DVC reran the stage for a change that does not touch training (e.g. another stage's code):
         # the finished model stands; rewrite the stage's other outputs from it.
@@ -120,6 +122,9 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
                 # only rank 0 runs it (the EMA weights are the same on every rank).
                 if rt.is_main and (last or crossed(before, c.samples_seen, params.train.val_every_samples)):
                     record["val_loss"] = trainer.validation_loss()
+                if (trainer.phema is not None and rt.is_main
+                        and (last or crossed(before, c.samples_seen, params.train.phema_snapshot_every_samples))):
+                    trainer.phema.snapshot()  # before the checkpoint below, which must not predate it
                 every = params.train.gns_buckets_every_samples
                 if rt.is_main and every and (last or crossed(before, c.samples_seen, every)):
                     record.update(trainer.bucket_noise_scale())
@@ -154,7 +159,7 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
         if tracker:
             tracker.log_summary(
                 {k: v for k, v in summary.items()
-                 if k.startswith(("final_", "total_", "effective_", "peak_", "val_flattening"))},
+                 if k.startswith(("final_", "total_", "effective_", "peak_", "val_flattening", "phema_", "ema_sigma"))},
                 artifacts=[out["metrics"], out["plot"], root / "params.yaml",
                            root / "data" / "processed" / "preview.png"],
                 tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"],
@@ -197,6 +202,7 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
         "gns_note": trainer.gns_reason or "", "device": str(rt.device), "precision": rt.precision,
         "mlflow_run_id": tracker.run_id if tracker else run_id,
         "checkpoint_sha256": sha256_file(paths(trainer.root)["checkpoint"]) if rt.is_main else "",
+        **(trainer.posthoc_val_losses() if rt.is_main else {}),
     }
 
 

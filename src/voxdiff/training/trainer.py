@@ -8,6 +8,7 @@ per window: unscale, clip, step, LR, EMA).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -21,7 +22,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from voxdiff.diffusion import objective
 
-from voxdiff.training import gns
+from voxdiff.training import gns, posthoc_ema
 from voxdiff.data.cache import ProcessedCache
 from voxdiff.training.distributed import Runtime, all_reduce_sum, peak_memory_mb
 from voxdiff.errors import TrainingDiverged
@@ -75,6 +76,10 @@ class Trainer:
         self.net = net.to(rt.device)
         # The EMA copy is taken before activation checkpointing patches the blocks' forward.
         self.ema = AveragedModel(self.net, use_buffers=True)
+        tr = params.train
+        self.phema = (posthoc_ema.ProfileTracker(self.net, lambda: copy.deepcopy(self.ema.module),
+                                                 tr.phema_sigma_rels, root / "models" / "phema")
+                      if tr.phema_sigma_rels else None)
         if params.model.activation_checkpointing:
             enable_activation_checkpointing(self.net)
         self.scheduler = build_scheduler(params.diffusion)
@@ -211,6 +216,8 @@ class Trainer:
             beta = ema_beta(tr, n_window, c.samples_seen + n_window)
             self.ema.multi_avg_fn = get_ema_multi_avg_fn(beta)
             self.ema.update_parameters(self.net)
+            if self.phema is not None:
+                self.phema.update()
             c.ema_updates += 1
         else:
             c.skipped_steps += 1  # fp16 overflow: the scaler skipped the step, so EMA and GNS skip it too
@@ -221,6 +228,23 @@ class Trainer:
         """EMA model's loss on the held-out subjects with fixed (t, noise) draws: comparable across runs."""
         return objective.validation_loss(self.ema.module, self.inferer, self.scheduler, self.cache, self.val_rows,
                                          self.val_set, self.p.diffusion, self.rt.device, self.rt.autocast)
+
+    def posthoc_val_losses(self) -> dict:
+        """Val loss of the EMA reconstructed at each train.phema_eval_sigma_rels from the snapshots
+        (post-hoc EMA), the best of them, and where the fixed EMA sits on that axis."""
+        tr, c = self.p.train, self.counters
+        out = {"ema_sigma_rel": posthoc_ema.classic_ema_sigma_rel(tr.ema_halflife_samples, c.samples_seen)}
+        if self.phema is None or not self.phema.snapshots():
+            return out
+        for sigma_rel in tr.phema_eval_sigma_rels:
+            net = self.phema.reconstruct(sigma_rel)
+            out[posthoc_ema.metric_name(sigma_rel)] = objective.validation_loss(
+                net, self.inferer, self.scheduler, self.cache, self.val_rows, self.val_set, self.p.diffusion,
+                self.rt.device, self.rt.autocast)
+        best = min(tr.phema_eval_sigma_rels, key=lambda s: out[posthoc_ema.metric_name(s)])
+        out["phema_best_val_loss"] = out[posthoc_ema.metric_name(best)]
+        out["phema_best_sigma_rel"] = best
+        return out
 
     # --- noise scale per timestep bucket ---------------------------------------------------------
     def bucket_noise_scale(self) -> dict:
@@ -267,6 +291,7 @@ class Trainer:
             "model": self.net.state_dict(), "ema": self.ema.state_dict(),
             "optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict(),
             "gns": self.gns.state_dict(), "mlflow_run_id": run_id or "",
+            "phema": self.phema.state_dict() if self.phema is not None else {},
             "num_classes": self.num_classes, "shape": list(self.shape),
             "params": {k: self.p.raw[k] for k in ("seed", "model", "diffusion", "preprocess")},
             "label_values": list(self.cache.label_values),
@@ -279,6 +304,8 @@ class Trainer:
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.gns.load_state_dict(state["gns"])
+        if self.phema is not None:
+            self.phema.load_state_dict(state["phema"])
         self.counters = Counters(state["step"], state["samples_seen"], state["wall_time"],
                                  state["skipped_steps"], state["ema_updates"], list(state["history"]))
 
