@@ -317,3 +317,32 @@ def test_archive_filter_and_errors(tmp_path):
     (tmp_path / "bad" / "x.json").write_text("{not json")
     with pytest.raises(VoxdiffError, match="x.json: not a readable run archive"):
         compare_runs(None, None, tmp_path / "r.md", runs_dir=tmp_path / "bad")
+
+
+def test_post_hoc_ema_section_compares_settings_at_their_best_ema_length(tmp_path):
+    """Runs that tracked post-hoc EMA profiles get a table of val loss per reconstructed length and a
+    verdict at the best length; a run without profiles (older code) is left out of that table, and
+    the phema params it lacks are not reported as a confounder (they do not change training)."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("phema", artifact_location=(tmp_path / "art").as_uri())
+    best = {1: [0.090, 0.092], 4: [0.120, 0.121]}
+    for k, per_seed in best.items():
+        for seed, b in enumerate(per_seed):
+            evals = {"phema_val_loss_sr050": b + 0.01, "phema_val_loss_sr100": b, "phema_best_val_loss": b,
+                     "phema_best_sigma_rel": 0.10, "ema_sigma_rel": 0.06}
+            rid = log_training_run(client, exp, k, seed, floor=0.1, evals=evals)
+            client.log_param(rid, "train.phema_sigma_rels", "[0.05, 0.1]")
+    log_training_run(client, exp, 1, 7, floor=0.1)  # an older run: no profiles, no phema params
+    report = compare_runs(f"sqlite:///{tmp_path / 'mlflow.db'}", "phema", tmp_path / "r.md", log=False) \
+        .report_path.read_text()
+    assert "## Post-hoc EMA" in report
+    row = next(line for line in report.splitlines() if line.startswith("| train.accumulate_every=1 | 2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    finals = [val_curve(1, 0.1)[-1][1]] * 2
+    assert cells[2] == f"{statistics.mean(finals):.4g} ± 0"
+    assert cells[3:] == ["0.060 ± 0.000", f"{statistics.mean(best[1]):.4g} ± {statistics.stdev(best[1]):.2g}",
+                         "0.100 ± 0.000", f"{statistics.mean(best[1]) + 0.01:.4g} ± {statistics.stdev(best[1]):.2g}",
+                         f"{statistics.mean(best[1]):.4g} ± {statistics.stdev(best[1]):.2g}"]
+    assert "Lowest val loss at the best post-hoc EMA: **train.accumulate_every=1**" in report
+    assert "best post-hoc val loss" in report and "clearly higher than train.accumulate_every=1" in report
+    assert "train.phema_sigma_rels" not in report

@@ -148,7 +148,8 @@ def test_floors_score_themselves_at_their_floor(project):
     """The two reference predictors, fed to the metric as if they were samples, score exactly their own
     floor; noise scores ~0 SSIM (windows centred in the brain only), the tissue-mean image far more."""
     from voxdiff.data.cache import open_cache
-    from voxdiff.evaluation.evaluate import fidelity, fidelity_floors, noise_image, ssim_metric, tissue_mean_image
+    from voxdiff.evaluation.evaluate import (fidelity, fidelity_floors, noise_image, ssim_metric, tissue_mean_image,
+                                             tissue_means)
 
     root, params, _ = project
     cache = open_cache(root / "data" / "processed")
@@ -157,7 +158,7 @@ def test_floors_score_themselves_at_their_floor(project):
     ssim = ssim_metric((16, 16, 16))
     floors = fidelity_floors(subjects, cache, ssim, seed=3)
     for name, make in (("noise", lambda s, e: noise_image(e["real"].shape, 3 + s)),
-                       ("tissue_mean", lambda s, e: tissue_mean_image(cache, e["label"]))):
+                       ("tissue_mean", lambda s, e: tissue_mean_image(tissue_means(cache), e["label"]))):
         scores = [fidelity(make(s, e), e["real"], e["label"] > 0, ssim) for s, e in enumerate(subjects)]
         for k in ("ssim", "psnr", "mae"):
             assert floors[f"eval_{k}_floor_{name}"] == pytest.approx(np.mean([f[k] for f in scores]))

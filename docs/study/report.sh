@@ -8,6 +8,9 @@ voxdiff compare --runs $R --filter "params.\`train.lr_scaling\` = 'none' and par
   --out docs/study/report.md
 voxdiff compare --runs $R --filter "params.\`train.lr_scaling\` = 'none' and params.\`train.batch_size\` = '1'" \
   --out docs/study/report_micro1.md || echo "(no micro-batch 1 runs archived yet)"
-voxdiff compare --runs $R --filter "params.\`train.accumulate_every\` = '8' and params.\`train.batch_size\` = '2'" \
-  --group-by train.lr_scaling --out docs/study/lr_scaling.md || echo "(no LR-rule runs archived yet)"
+# One report per LR rule (micro-batch 2, accumulate_every 1 and 8): does the gap between them shrink?
+for rule in sqrt linear sde; do
+  voxdiff compare --runs $R --filter "params.\`train.lr_scaling\` = '$rule' and params.\`train.batch_size\` = '2'" \
+    --out "docs/study/report_lr_$rule.md" || echo "(no lr_scaling=$rule runs archived yet)"
+done
 python -c "import sys, torch, monai, mlflow, dvc; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, monai {monai.__version__}, mlflow {mlflow.__version__}, dvc {dvc.__version__}')" > docs/study/versions.txt

@@ -56,3 +56,18 @@ def repo_root() -> Path:
         if (p / "params.yaml").is_file() and (p / "dvc.yaml").is_file():
             return p
     return here
+
+
+def project_root(root: str | os.PathLike | None = None) -> Path:
+    """DVC_ROOT when set (a queued DVC experiment runs in a temporary copy of the project), else
+    `root`, else the repo root above the current directory."""
+    return Path(os.environ.get("DVC_ROOT") or root or repo_root()).resolve()
+
+
+def project_relative(path: str | os.PathLike, root: str | os.PathLike | None = None) -> str | None:
+    """`path` relative to the project root, or None outside it: what reports print instead of a
+    machine's absolute path."""
+    try:
+        return str(Path(path).resolve().relative_to(project_root(root)))
+    except ValueError:
+        return None

@@ -157,8 +157,9 @@ def fidelity(sample: np.ndarray, real: np.ndarray, brain: np.ndarray, ssim: Brai
     }
 
 
-def tissue_mean_image(cache: ProcessedCache, label: np.ndarray) -> np.ndarray:
-    """The lookup-table predictor: each voxel = the training subjects' mean intensity of its class."""
+def tissue_means(cache: ProcessedCache) -> np.ndarray:
+    """The lookup table of the tissue-mean predictor: each class's mean intensity over the training
+    subjects (-1, the background value, for a class they never show)."""
     rows = cache.split_indices("train")
     table = np.zeros(cache.num_classes, np.float32)
     for c in range(cache.num_classes):
@@ -168,6 +169,11 @@ def tissue_mean_image(cache: ProcessedCache, label: np.ndarray) -> np.ndarray:
             total += float(np.asarray(cache.images[r], np.float64)[sel].sum())
             count += int(sel.sum())
         table[c] = total / count if count else -1.0
+    return table
+
+
+def tissue_mean_image(table: np.ndarray, label: np.ndarray) -> np.ndarray:
+    """The lookup-table predictor: each voxel = its class's entry of `tissue_means`."""
     return table[label.astype(np.int64)]
 
 
@@ -181,10 +187,11 @@ def fidelity_floors(subjects: list[dict], cache: ProcessedCache, ssim: BrainSSIM
     """eval_{ssim,psnr,mae}_floor_{noise,tissue_mean}: the fidelity metrics of the two reference
     predictors on the same validation subjects, so a reader sees whether the model beats them."""
     floors: dict = {}
+    table = tissue_means(cache)  # once: it reads every training subject
     for name in ("noise", "tissue_mean"):
         scores = []
         for s, e in enumerate(subjects):
-            x = noise_image(e["real"].shape, seed + s) if name == "noise" else tissue_mean_image(cache, e["label"])
+            x = noise_image(e["real"].shape, seed + s) if name == "noise" else tissue_mean_image(table, e["label"])
             scores.append(fidelity(x, e["real"], e["label"] > 0, ssim))
         for k in ("ssim", "psnr", "mae"):
             floors[f"eval_{k}_floor_{name}"] = float(np.mean([f[k] for f in scores]))

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from voxdiff.errors import VoxdiffError
-from voxdiff.fsutil import repo_root, write_text
+from voxdiff.fsutil import project_relative, project_root, write_text
 from voxdiff.report.loading import find_training_runs, load_run, open_client, read_archive, write_archive
 from voxdiff.tracking.uri import display_uri
 from voxdiff.report.rendering import (bucket_section, make_figures, mean_std, messages_for, noise_scale_section, reached_cell,
@@ -83,7 +83,7 @@ def compare_runs(tracking_uri: str | None, experiment: str | None, out_path: str
     if runs_dir is not None:
         runs, experiment = read_archive(Path(runs_dir), parse_param_filter(filter_string))
         unfinished_note, client, exp = None, None, None
-        source = f"the run archive `{_relative(Path(runs_dir), root)}` (`voxdiff export`)"
+        source = f"the run archive `{project_relative(runs_dir, root) or Path(runs_dir).name}` (`voxdiff export`)"
     else:
         client = open_client(tracking_uri)
         exp, found, unfinished_note = find_training_runs(client, experiment, filter_string, tracking_uri)
@@ -122,13 +122,6 @@ def parse_param_filter(filter_string: str | None) -> dict[str, str]:
                                "by 'and' are understood")
         wanted[m.group(1) or m.group(2)] = m.group(3)
     return wanted
-
-
-def _relative(path: Path, root: Path | None) -> str:
-    try:
-        return str(path.resolve().relative_to((root or _root()).resolve()))
-    except ValueError:
-        return path.name
 
 
 @click.command("compare")
@@ -198,7 +191,7 @@ def _store_defaults(experiment, tracking_uri):
 
 
 def _root() -> Path:
-    return Path(os.environ.get("DVC_ROOT") or repo_root())
+    return project_root()
 
 
 def _load_params_if_present():

@@ -121,13 +121,12 @@ def run_data(run_id: str, params: dict, tags: dict, metrics: dict, histories: di
              start_time: int = 0) -> RunData:
     """RunData from a run's params, tags, latest metrics and per-step histories (whatever the source)."""
     hist = {k: _curve(histories.get(k, {})) for k in CURVE_KEYS}
+    batch = as_float(params.get("effective_batch_size"))  # samples per step where samples_seen was not logged
     buckets = {}
     for key in sorted(k for k in histories if k.startswith("gns_t") and k[5:].isdigit()):
         b_steps, b_values = _curve(histories[key])
-        buckets[key] = (_at_steps(hist["samples_seen"], b_steps, b_steps * as_float(params.get("effective_batch_size"))),
-                        b_values)
+        buckets[key] = (_at_steps(hist["samples_seen"], b_steps, b_steps * batch), b_values)
     steps, val = hist["val_loss"]
-    batch = as_float(params.get("effective_batch_size"))
     gns_steps, gns = hist["gns"]
     memory = hist["peak_memory_mb"][1]
     return RunData(

@@ -199,6 +199,36 @@ def eval_table(groups: list[GroupSummary], group_by: str) -> list[str]:
     return lines + [""]
 
 
+def posthoc_table(groups: list[GroupSummary], group_by: str) -> list[str]:
+    """Val loss at each reconstructed EMA length (post-hoc EMA, EDM2) and at the best one, per setting,
+    next to the fixed EMA's: whether a setting's rank depends on the EMA length chosen in advance."""
+    with_phema = [g for g in groups if g.posthoc.get("phema_best_val_loss")]
+    if not with_phema:
+        return []
+    lengths = sorted({k for g in with_phema for k in g.posthoc if k.startswith("phema_val_loss_sr")})
+    head = ["setting", "runs", "fixed EMA: final val loss", "fixed EMA's sigma_rel", "best post-hoc val loss",
+            "best sigma_rel", *(f"sigma_rel {int(k[-3:]) / 1000:g}" for k in lengths)]
+    lines = ["## Post-hoc EMA", "",
+             "Val loss of the EMA reconstructed after training at several lengths (sigma_rel: the EMA "
+             "profile's std relative to the run's length; Karras et al. 2024) from the power-function "
+             "profiles tracked during the run. Only runs that tracked them are counted here.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in with_phema:
+        p = g.posthoc
+        lines.append(" | ".join([
+            f"| {group_by}={g.key}", str(len(p["phema_best_val_loss"])), mean_std(p["fixed_ema_final_val_loss"], ".4g", ".2g"),
+            mean_std(p.get("ema_sigma_rel", []), ".3f"), mean_std(p["phema_best_val_loss"], ".4g", ".2g"),
+            mean_std(p.get("phema_best_sigma_rel", []), ".3f"),
+            *(mean_std(p.get(k, []), ".4g", ".2g") for k in lengths)]) + " |")
+    best = min(with_phema, key=lambda g: np.mean(g.posthoc["phema_best_val_loss"]))
+    lines += ["", f"- Lowest val loss at the best post-hoc EMA: **{group_by}={best.key}** "
+              f"({mean_std(best.posthoc['phema_best_val_loss'], '.4g', '.2g')})."]
+    lines += _verdicts([(f"{group_by}={g.key}", g.posthoc["phema_best_val_loss"]) for g in with_phema
+                        if g is not best], f"{group_by}={best.key}", best.posthoc["phema_best_val_loss"],
+                       "best post-hoc val loss")
+    return lines + [""]
+
+
 def runs_table(groups: dict[str, list[RunData]], group_by: str) -> list[str]:
     lines = ["## Runs", "", "| setting | run id | seed | DVC experiment | final val loss |",
              "|---|---|---|---|---|"]
@@ -231,7 +261,8 @@ def render_report(*, experiment: str, source: str, group_by: str, filter_string:
                      "curve first reaches it, interpolated between validations, mean ± std over the runs that "
                      "reached it (k/n when not all did). Val flattening: the last quarter's val-loss gain over "
                      "the first quarter's (near 0: the run has reached its plateau).")
-    lines += ["", *summary_table(groups, group_by), "", *eval_table(groups, group_by), *noise_lines]
+    lines += ["", *summary_table(groups, group_by), "", *eval_table(groups, group_by),
+              *posthoc_table(groups, group_by), *noise_lines]
     lines += ["", *(f"![{p.stem}]({p.name})" for p in figures if "gns" in p.name)]
     lines += ["", *reading_lines, "", *runs_table(by_key, group_by), ""]
     return "\n".join(lines)

@@ -13,6 +13,8 @@ from voxdiff.report.loading import RunData, as_float
 
 
 EXPECTED_TO_VARY = {"seed", "effective_batch_size", "effective_lr"}
+# Params that change what is measured about a run, not its training trajectory: not confounders.
+MEASUREMENT_ONLY_PREFIXES = ("train.phema_",)
 
 
 @dataclasses.dataclass
@@ -32,6 +34,7 @@ class GroupSummary:
     gns: list[float]                  # last measured value per run
     flattening: list[float]           # val_flattening per run (last quarter's val gain / first quarter's)
     eval: dict[str, list[float]]
+    posthoc: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # phema_* and ema_sigma_rel
 
     @property
     def n(self) -> int:
@@ -74,12 +77,24 @@ def summarize_group(key: str, runs: list[RunData], target: float | None) -> Grou
         gns=[float(r.gns[-1]) for r in with_val if len(r.gns)],
         flattening=[r.metrics["val_flattening"] for r in with_val if "val_flattening" in r.metrics],
         eval={k: [r.metrics[k] for r in with_val if k in r.metrics] for k in evals},
+        posthoc=posthoc_metrics(with_val),
     )
+
+
+def posthoc_metrics(runs: list[RunData]) -> dict[str, list[float]]:
+    """phema_* metrics, the fixed EMA's sigma_rel and its final val loss, over the runs that tracked
+    post-hoc EMA profiles (one value per such run, in the same order under every key)."""
+    tracked = [r for r in runs if "phema_best_val_loss" in r.metrics]
+    keys = sorted({k for r in tracked for k in r.metrics if k.startswith(("phema_", "ema_sigma_rel"))})
+    out = {k: [r.metrics[k] for r in tracked if k in r.metrics] for k in keys}
+    if tracked:
+        out["fixed_ema_final_val_loss"] = [r.final_val_loss for r in tracked]
+    return out
 
 
 def confounders(runs: list[RunData], group_by: str) -> dict[str, list[str]]:
     """Params other than the grouped one (and seed) that differ between runs."""
-    keys = {k for r in runs for k in r.params} - EXPECTED_TO_VARY - {group_by}
+    keys = {k for r in runs for k in r.params if not k.startswith(MEASUREMENT_ONLY_PREFIXES)} - EXPECTED_TO_VARY - {group_by}
     values = {k: sorted({r.params.get(k, "(unset)") for r in runs}) for k in sorted(keys)}
     return {k: v for k, v in values.items() if len(v) > 1}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from voxdiff.fsutil import repo_root
+from voxdiff.fsutil import project_relative, project_root
 from voxdiff.params import Params
 
 
@@ -19,8 +19,7 @@ def resolve_tracking_uri(params: Params | None = None, root: str | os.PathLike |
         return os.environ["MLFLOW_TRACKING_URI"]
     if params is not None and params.mlflow.tracking_uri.strip():
         return params.mlflow.tracking_uri.strip()
-    base = Path(os.environ.get("DVC_ROOT") or root or repo_root()).resolve()
-    return f"sqlite:///{base / 'mlflow.db'}"
+    return f"sqlite:///{project_root(root) / 'mlflow.db'}"
 
 
 def display_uri(uri: str, root: str | os.PathLike | None = None) -> str:
@@ -28,9 +27,6 @@ def display_uri(uri: str, root: str | os.PathLike | None = None) -> str:
     (sqlite:///mlflow.db), never the absolute path of the machine that made a report."""
     if uri.startswith("sqlite:///"):
         db = Path(uri[len("sqlite:///"):])
-        base = Path(os.environ.get("DVC_ROOT") or root or repo_root()).resolve()
-        try:
-            return f"sqlite:///{db.resolve().relative_to(base)}"
-        except ValueError:
-            return f"sqlite:///{db.name} (outside the project)"
+        inside = project_relative(db, root)
+        return f"sqlite:///{inside}" if inside is not None else f"sqlite:///{db.name} (outside the project)"
     return uri

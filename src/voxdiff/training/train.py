@@ -16,7 +16,6 @@ from voxdiff.training.distributed import Runtime, init_runtime, shutdown
 from voxdiff.errors import TrainingDiverged
 from voxdiff.fsutil import write_json, write_text
 from voxdiff.params import Params
-from voxdiff.training.schedule import adam_settings
 from voxdiff.training.schedule import crossed, ema_rampup_end
 from voxdiff.training.trainer import Trainer, due
 from voxdiff.tracking.runs import RunTracker
@@ -74,7 +73,7 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
             f"batch {budget.effective_batch}; {budget.total_steps} steps, {budget.total_samples} samples")
     if trainer.gns_reason:
         say(rt, trainer.gns_reason)
-    adam = adam_settings(params.train, budget.effective_batch)
+    adam = trainer.adam
     ramp = ema_rampup_end(params.train)
     say(rt, f"EMA half-life {params.train.ema_halflife_samples:g} samples, reached after {ramp:.0f} samples "
             f"({100 * ramp / budget.total_samples:.0f} % of the budget)" + (
@@ -196,7 +195,7 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
         "peak_memory_mb": max(h["peak_memory_mb"] for h in c.history),
         "effective_batch_size": b.effective_batch, "micro_batch": b.micro_batch,
         "accumulate_every": b.accumulate_every, "world_size": rt.world_size,
-        "effective_lr": adam_settings(params.train, b.effective_batch).lr,
+        "effective_lr": trainer.adam.lr,
         "skipped_steps": c.skipped_steps, "ema_updates": c.ema_updates,
         "gns": trainer.gns.value if trainer.gns_reason is None else None,
         "gns_note": trainer.gns_reason or "", "device": str(rt.device), "precision": rt.precision,

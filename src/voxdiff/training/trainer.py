@@ -84,8 +84,8 @@ class Trainer:
             enable_activation_checkpointing(self.net)
         self.scheduler = build_scheduler(params.diffusion)
         self.inferer = build_inferer(self.scheduler)
-        adam = adam_settings(params.train, self.budget.effective_batch)
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=adam.lr, betas=adam.betas, eps=adam.eps)
+        self.adam = adam_settings(params.train, self.budget.effective_batch)  # after lr_scaling: logged as effective_*
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=self.adam.lr, betas=self.adam.betas, eps=self.adam.eps)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.use_scaler)
         self.gns = gns.GradientNoiseScale(params.train.gns_smoothing)
         self.gns_reason = gns.not_measurable_reason(params.train.accumulate_every, rt.world_size)
@@ -112,12 +112,17 @@ class Trainer:
     def batch(self, indices: list[int]):
         """Images, labels, timesteps and noise of the given global sample indices, on the device."""
         n = len(self.train_rows)
-        rows = [int(self.train_rows[objective.subject_for(self.p.seed, i, n)]) for i in indices]
         draws = [objective.draw(self.p.seed, i, self.p.diffusion.timesteps, (1, *self.shape)) for i in indices]
+        return self.on_device([objective.subject_for(self.p.seed, i, n) for i in indices],
+                              [d[0] for d in draws], [d[1] for d in draws])
+
+    def on_device(self, positions: list[int], timesteps: list[int], noises: list[torch.Tensor]):
+        """(images, labels, t, noise) on the device for training subjects at these positions in the
+        training split, with these timesteps and noises: training batches and the probe's alike."""
+        rows = [int(self.train_rows[s]) for s in positions]
         images, labels = (to_device(torch.from_numpy(a), self.rt.device) for a in self.cache.stack(rows))
-        t = to_device(torch.tensor([d[0] for d in draws], dtype=torch.long), self.rt.device)
-        noise = to_device(torch.stack([d[1] for d in draws]), self.rt.device)
-        return images, labels, t, noise
+        t = to_device(torch.tensor(timesteps, dtype=torch.long), self.rt.device)
+        return images, labels, t, to_device(torch.stack(noises), self.rt.device)
 
     def losses(self, model, images, labels, t, noise) -> torch.Tensor:
         with self.rt.autocast():
@@ -261,11 +266,7 @@ class Trainer:
                                           (1, *self.shape))
             flat = []
             for s, t, noise in draws:
-                images, labels = (to_device(torch.from_numpy(a), self.rt.device)
-                                  for a in self.cache.stack([int(self.train_rows[s])]))
-                loss = self.losses(self.net, images, labels,
-                                   to_device(torch.tensor([t], dtype=torch.long), self.rt.device),
-                                   to_device(noise[None], self.rt.device)).sum()
+                loss = self.losses(self.net, *self.on_device([s], [t], [noise])).sum()
                 grads = torch.autograd.grad(loss, params)
                 flat.append(torch.cat([g.reshape(-1).float() for g in grads]))
             stacked = torch.stack(flat).double()
