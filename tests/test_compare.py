@@ -31,7 +31,9 @@ def val_curve(k: int, floor: float) -> list[tuple[int, float]]:
             for s in range(VAL_EVERY_SAMPLES, SAMPLES + 1, VAL_EVERY_SAMPLES)]
 
 
-def log_training_run(client, exp_id, k, seed, floor=None, gns_last=None, finish=True, evals=None):
+def log_training_run(client, exp_id, k, seed, floor=None, gns_last=None, finish=True, evals=None, buckets=None):
+    """A finished (or running) training run; `buckets` {"gns_t0": [early, middle, late], ...} logs the
+    per-bucket noise scale at the end of each third of the budget."""
     tags = {"voxdiff.kind": "train", "voxdiff.dvc_exp_name": f"exp-k{k}-s{seed}", "voxdiff.device": "cpu"}
     rid = client.create_run(exp_id, tags=tags).info.run_id
     params = {"seed": seed, "train.accumulate_every": k, "train.batch_size": MICRO, "train.lr": 2e-4,
@@ -46,6 +48,8 @@ def log_training_run(client, exp_id, k, seed, floor=None, gns_last=None, finish=
                     Metric("peak_memory_mb", 100.0 + k, step, step)]
         if gns_last is not None:
             metrics.append(Metric("gns", gns_last, step, step))
+    for name, values in (buckets or {}).items():
+        metrics += [Metric(name, v, 0, (i + 1) * steps // 3) for i, v in enumerate(values)]
     curve = val_curve(k, floor) if floor is not None else []
     metrics += [Metric("val_loss", v, step, step) for step, v in curve]
     final = {"total_steps": steps, "total_samples": SAMPLES, "total_wall_time": steps * k * 0.5}

@@ -18,7 +18,7 @@ from voxdiff.errors import VoxdiffError
 from voxdiff.fsutil import project_relative, project_root, write_text
 from voxdiff.report.loading import find_training_runs, load_run, open_client, read_archive, write_archive
 from voxdiff.tracking.uri import display_uri
-from voxdiff.report.rendering import (bucket_section, make_figures, mean_std, messages_for, noise_scale_section, reached_cell,
+from voxdiff.report.rendering import (bucket_section, phase_section, make_figures, mean_std, messages_for, noise_scale_section, reached_cell,
                                       reading_section, render_report)
 from voxdiff.report.statistics import GroupSummary, default_target, group_runs, summarize_group
 
@@ -96,7 +96,7 @@ def compare_runs(tracking_uri: str | None, experiment: str | None, out_path: str
     noise_lines, b_noise, k_star = noise_scale_section(groups, runs, group_by)
     buckets = bucket_section(by_key, group_by)
     if buckets:
-        noise_lines += ["", *buckets]
+        noise_lines += ["", *buckets, *phase_section(by_key, group_by)]
     figures = make_figures(by_key, group_by, out_path)
     text = render_report(experiment=experiment, source=source, group_by=group_by,
                          filter_string=filter_string, groups=groups, by_key=by_key, runs=runs, target=target,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -304,16 +305,59 @@ def reached_cell(values: list[float], g: GroupSummary, spec: str) -> str:
 PHASES = ("early", "middle", "late")
 
 
+def phase_of(samples: float, total: float) -> str:
+    """early / middle / late: the thirds of a run's budget (probes at 1/3, 2/3 and the end fall one in each)."""
+    return PHASES[min(2, max(0, math.ceil(3 * samples / total - 1e-9) - 1))] if total > 0 else PHASES[-1]
+
+
+def run_budget(r: RunData) -> float:
+    return float(r.metrics.get("total_samples") or (r.val_samples[-1] if len(r.val_samples) else 0.0))
+
+
 def bucket_phase_values(runs: list[RunData], bucket: str) -> dict[str, list[float]]:
-    """Per phase (first, middle and last probe of each run), the runs' B_simple of one bucket."""
+    """Per phase (third of each run's budget), the runs' B_simple of one bucket: the last probe in that
+    third. A probe whose |G|^2 estimate was not positive logged no value, and leaves its phase out."""
     out = {p: [] for p in PHASES}
     for r in runs:
-        _, values = r.bucket_gns.get(bucket, ((), ()))
-        if len(values):
-            for phase, i in zip(PHASES, (0, len(values) // 2, len(values) - 1)):
-                if np.isfinite(values[i]):
-                    out[phase].append(float(values[i]))
+        samples, values = r.bucket_gns.get(bucket, ((), ()))
+        last: dict[str, float] = {}
+        for x, v in zip(samples, values):
+            if np.isfinite(v):
+                last[phase_of(float(x), run_budget(r))] = float(v)
+        for phase, v in last.items():
+            out[phase].append(v)
     return out
+
+
+def phase_section(by_key: dict[str, list[RunData]], group_by: str) -> list[str]:
+    """The noise scale's prediction against the measurement, per phase of training: the k* the
+    largest bucket B_simple implies, next to the setting with the lowest val loss at the end of that
+    phase (equal samples seen, interpolated between validations)."""
+    runs = [r for rs in by_key.values() for r in rs if r.has_val]
+    if not runs or not any(r.bucket_gns for r in runs) or len(by_key) < 2:
+        return []
+    budget = min(run_budget(r) for r in runs)
+    micro = most_common_int(runs, "train.batch_size") or 1
+    buckets = sorted({b for r in runs for b in r.bucket_gns}, key=lambda b: int(b[5:]))
+    lines = ["## Prediction against measurement, per phase", "",
+             f"Per third of the budget ({budget:.0f} samples): the largest per-bucket B_simple (mean over all "
+             "runs here, whatever their setting: B_noise is a property of the loss surface at that point) and "
+             f"the accumulate_every it implies at micro-batch {micro} (k* = B / micro-batch, next power of "
+             "two), against the setting with the lowest val loss at the phase's end (mean over seeds).", "",
+             f"| phase | samples | largest bucket B_simple | predicted k* | best {group_by} measured | "
+             "val loss per setting |", "|---|---|---|---|---|---|"]
+    for i, phase in enumerate(PHASES):
+        at = budget * (i + 1) / 3
+        per_bucket = {b: np.mean(v) for b in buckets if (v := bucket_phase_values(runs, b)[phase])}
+        b_max = max(per_bucket.values()) if per_bucket else float("nan")
+        k_star = balanced_accumulate_every(float(b_max), micro, 1) if b_max > 0 else None
+        val = {key: [float(np.interp(at, r.val_samples, r.val_loss)) for r in rs if r.has_val]
+               for key, rs in by_key.items()}
+        val = {k: v for k, v in val.items() if v}
+        best = min(val, key=lambda k: np.mean(val[k]))
+        cells = ", ".join(f"{k}: {mean_std(v, '.4g', '.2g')}" for k, v in val.items())
+        lines.append(f"| {phase} | {at:.0f} | {b_max:.3g} | {'—' if k_star is None else k_star} | {best} | {cells} |")
+    return lines + [""]
 
 
 def bucket_section(by_key: dict[str, list[RunData]], group_by: str) -> list[str]:
@@ -325,7 +369,8 @@ def bucket_section(by_key: dict[str, list[RunData]], group_by: str) -> list[str]
         return []
     lines = ["## Noise scale per timestep bucket", "",
              "B_simple from single-sample gradients on fixed probe draws per bucket of the noise schedule "
-             "(t0 = least noise), at the first, middle and last probe of each run; mean ± std over seeds, "
+             "(t0 = least noise), at the last probe in each third of the run (early, middle, late); mean ± std "
+             "over seeds (a probe whose |G|² estimate was not positive is left out), "
              "and the accumulate_every it implies at the runs' micro-batch (k*).", "",
              "| setting | bucket | early | middle | late | k* early → late |", "|---|---|---|---|---|---|"]
     for key, runs in by_key.items():
