@@ -189,13 +189,28 @@ def summary_table(groups: list[GroupSummary], group_by: str) -> list[str]:
     return lines
 
 
+# Sample quality a reader compares across settings, in this order; the rest (per-tissue means,
+# Wasserstein distances, timings) stays in each run's metrics/eval.json and MLflow run.
+EVAL_COLUMNS = (("eval_ssim", "SSIM"), ("eval_ssim_floor_tissue_mean", "SSIM floor: tissue mean"),
+                ("eval_ssim_floor_noise", "SSIM floor: noise"), ("eval_psnr", "PSNR (dB)"),
+                ("eval_psnr_floor_tissue_mean", "PSNR floor: tissue mean"), ("eval_mae", "MAE"),
+                ("eval_mae_floor_tissue_mean", "MAE floor: tissue mean"), ("eval_msssim_samples",
+                "MS-SSIM between samples (1 = identical)"), ("eval_contrast_ratio", "contrast ratio"),
+                ("eval_beats_floors", "beats floors (share of runs)"))
+
+
 def eval_table(groups: list[GroupSummary], group_by: str) -> list[str]:
-    keys = sorted({k for g in groups for k in g.eval})
-    if not keys:
+    present = {k for g in groups for k in g.eval}
+    columns = [(k, name) for k, name in EVAL_COLUMNS if k in present]
+    if not columns:
         return []
-    lines = ["## Evaluation", "", "| setting | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    lines = ["## Sample quality", "",
+             "Evaluation of each run's EMA model (DDIM samples for the validation label maps) against the real "
+             "volumes, inside the brain, next to the two floors every model should beat: the tissue-mean "
+             "image (each class's mean intensity) and noise. Mean ± std over seeds.", "",
+             "| setting | " + " | ".join(name for _, name in columns) + " |", "|---|" + "---|" * len(columns)]
     for g in groups:
-        cells = (mean_std(g.eval.get(k, []), ".4g", ".2g") for k in keys)
+        cells = (mean_std(g.eval.get(k, []), ".4g", ".2g") for k, _ in columns)
         lines.append(f"| {group_by}={g.key} | " + " | ".join(cells) + " |")
     return lines + [""]
 
