@@ -47,11 +47,16 @@ class ProfileTracker:
         from ema_pytorch import PostHocEMA
 
         self.folder = Path(folder)
+        missing = [d for d in (self.folder, *self.folder.parents) if not d.exists()]  # deepest first
         # make_copy: a plain copy of the network; deep-copying `net` itself would also copy any
         # forward patched for activation checkpointing, which still points at `net`'s blocks.
         self.phema = PostHocEMA(net, ema_model=make_copy, sigma_rels=tuple(sigma_rels),
                                 checkpoint_every_num_steps="manual", checkpoint_folder=str(self.folder),
                                 checkpoint_dtype=torch.float32, update_every=1)
+        # PostHocEMA creates its folder at once; nothing may appear on disk before training starts
+        # (a run that fails its checks leaves no outputs), so undo that: snapshot() creates it.
+        for d in missing:
+            d.rmdir()
 
     @property
     def step(self) -> int:
