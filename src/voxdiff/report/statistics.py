@@ -12,7 +12,8 @@ from voxdiff.report.loading import RunData, as_float
 
 
 
-EXPECTED_TO_VARY = {"seed", "effective_batch_size", "effective_lr"}
+EXPECTED_TO_VARY = {"seed", "effective_batch_size", "effective_lr",  # derived from the effective batch by train.lr_scaling
+                    "effective_adam_beta1", "effective_adam_beta2", "effective_adam_eps"}
 # Params that change what is measured about a run, not its training trajectory: not confounders.
 MEASUREMENT_ONLY_PREFIXES = ("train.phema_",)
 
