@@ -187,15 +187,11 @@ def _store_defaults(experiment, tracking_uri):
         if params is None:
             raise VoxdiffError("no --experiment given and no params.yaml found to read mlflow.experiment from")
         experiment = params.mlflow.experiment
-    return experiment, tracking_uri or resolve_tracking_uri(params, _root())
-
-
-def _root() -> Path:
-    return project_root()
+    return experiment, tracking_uri or resolve_tracking_uri(params, project_root())
 
 
 def _load_params_if_present():
     from voxdiff import params
 
-    path = _root() / "params.yaml"
+    path = project_root() / "params.yaml"
     return params.load(path) if path.is_file() else None

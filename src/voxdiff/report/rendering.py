@@ -335,10 +335,11 @@ def bucket_phase_values(runs: list[RunData], bucket: str) -> dict[str, list[floa
     out = {p: [] for p in PHASES}
     for r in runs:
         samples, values = r.bucket_gns.get(bucket, ((), ()))
+        total = run_budget(r)
         last: dict[str, float] = {}
         for x, v in zip(samples, values):
             if np.isfinite(v):
-                last[phase_of(float(x), run_budget(r))] = float(v)
+                last[phase_of(float(x), total)] = float(v)
         for phase, v in last.items():
             out[phase].append(v)
     return out
@@ -361,9 +362,10 @@ def phase_section(by_key: dict[str, list[RunData]], group_by: str) -> list[str]:
              "two), against the setting with the lowest val loss at the phase's end (mean over seeds).", "",
              f"| phase | samples | largest bucket B_simple | predicted k* | best {group_by} measured | "
              "val loss per setting |", "|---|---|---|---|---|---|"]
+    by_bucket = {b: bucket_phase_values(runs, b) for b in buckets}
     for i, phase in enumerate(PHASES):
         at = budget * (i + 1) / 3
-        per_bucket = {b: np.mean(v) for b in buckets if (v := bucket_phase_values(runs, b)[phase])}
+        per_bucket = {b: np.mean(v[phase]) for b, v in by_bucket.items() if v[phase]}
         b_max = max(per_bucket.values()) if per_bucket else float("nan")
         k_star = balanced_accumulate_every(float(b_max), micro, 1) if b_max > 0 else None
         val = {key: [float(np.interp(at, r.val_samples, r.val_loss)) for r in rs if r.has_val]

@@ -108,7 +108,10 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
             if tracker:
                 tracker.log_history(trainer.counters.history)
 
-    c = trainer.counters
+    c, tr = trainer.counters, params.train
+    # Validation, post-hoc EMA snapshots and the bucket probe are due when samples seen crosses a
+    # multiple of their `*_every_samples` (0 = never), and at the end: counted in samples, they land at
+    # the same samples whatever the effective batch. Rank 0 only (the EMA weights agree on every rank).
     bar = make_bar(rt, budget.total_steps, c.step, progress)
     try:
         with GracefulInterrupt() as interrupt:
@@ -117,15 +120,13 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
                 record = trainer.train_step()
                 record["timestamp"] = time.time()
                 last = c.step == budget.total_steps
-                # Validation counted in samples lands at the same samples whatever the effective batch;
-                # only rank 0 runs it (the EMA weights are the same on every rank).
-                if rt.is_main and (last or crossed(before, c.samples_seen, params.train.val_every_samples)):
+                due_on_main = lambda every: rt.is_main and every > 0 and (  # noqa: E731
+                    last or crossed(before, c.samples_seen, every))
+                if due_on_main(tr.val_every_samples):
                     record["val_loss"] = trainer.validation_loss()
-                if (trainer.phema is not None and rt.is_main
-                        and (last or crossed(before, c.samples_seen, params.train.phema_snapshot_every_samples))):
+                if trainer.phema is not None and due_on_main(tr.phema_snapshot_every_samples):
                     trainer.phema.snapshot()  # before the checkpoint below, which must not predate it
-                every = params.train.gns_buckets_every_samples
-                if rt.is_main and every and (last or crossed(before, c.samples_seen, every)):
+                if due_on_main(tr.gns_buckets_every_samples):
                     record.update(trainer.bucket_noise_scale())
                 c.history.append(record)
                 report_progress(rt, bar, record, budget)

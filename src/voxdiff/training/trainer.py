@@ -229,10 +229,12 @@ class Trainer:
         return grad_norm, stepped
 
     # --- validation -------------------------------------------------------------------------------
-    def validation_loss(self) -> float:
-        """EMA model's loss on the held-out subjects with fixed (t, noise) draws: comparable across runs."""
-        return objective.validation_loss(self.ema.module, self.inferer, self.scheduler, self.cache, self.val_rows,
-                                         self.val_set, self.p.diffusion, self.rt.device, self.rt.autocast)
+    def validation_loss(self, net: torch.nn.Module | None = None) -> float:
+        """Loss of `net` (default: the EMA model) on the held-out subjects with fixed (t, noise) draws:
+        comparable across runs."""
+        return objective.validation_loss(self.ema.module if net is None else net, self.inferer, self.scheduler,
+                                         self.cache, self.val_rows, self.val_set, self.p.diffusion, self.rt.device,
+                                         self.rt.autocast)
 
     def posthoc_val_losses(self) -> dict:
         """Val loss of the EMA reconstructed at each train.phema_eval_sigma_rels from the snapshots
@@ -242,10 +244,7 @@ class Trainer:
         if self.phema is None or not self.phema.snapshots():
             return out
         for sigma_rel in tr.phema_eval_sigma_rels:
-            net = self.phema.reconstruct(sigma_rel)
-            out[posthoc_ema.metric_name(sigma_rel)] = objective.validation_loss(
-                net, self.inferer, self.scheduler, self.cache, self.val_rows, self.val_set, self.p.diffusion,
-                self.rt.device, self.rt.autocast)
+            out[posthoc_ema.metric_name(sigma_rel)] = self.validation_loss(self.phema.reconstruct(sigma_rel))
         best = min(tr.phema_eval_sigma_rels, key=lambda s: out[posthoc_ema.metric_name(s)])
         out["phema_best_val_loss"] = out[posthoc_ema.metric_name(best)]
         out["phema_best_sigma_rel"] = best
