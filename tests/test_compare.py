@@ -258,6 +258,29 @@ def test_target_crossing_is_interpolated_between_validations():
     assert math.isnan(r.crossing(0.4, r.val_wall))  # no wall time logged at the crossing: unknown
 
 
+
+def test_phase_prediction_shows_the_median_beside_the_mean():
+    """One run's near-zero |G|^2 estimate blows up its B_simple: the mean-based k* follows that outlier,
+    the median beside it does not; the measured best setting comes from the val curves alone."""
+    import numpy as np
+
+    from voxdiff.report.loading import RunData
+    from voxdiff.report.rendering import phase_section
+
+    def run(k, seed, t0_late):
+        losses = np.array([0.9, 0.5, 0.3]) * k  # k = 1 is best at every phase
+        return RunData(f"{k}-{seed}", {"train.batch_size": "2"}, {}, {"total_samples": 96.0},
+                       val_steps=np.arange(3.0), val_loss=losses, val_samples=np.array([32.0, 64.0, 96.0]),
+                       val_wall=np.full(3, np.nan), gns_samples=np.array([]), gns=np.array([]), peak_memory_mb=0.0,
+                       bucket_gns={"gns_t0": (np.array([32.0, 64.0, 96.0]), np.array([0.5, 0.5, t0_late]))})
+
+    by_key = {"1": [run(1, 0, 0.5), run(1, 1, 0.5)], "2": [run(2, 0, 0.5), run(2, 1, 250.0)]}
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in phase_section(by_key, "k")
+            if line.startswith("| early") or line.startswith("| late")}
+    assert rows["early"][2:5] == ["0.5 / 0.5", "1 / 1", "1"]
+    # late: mean (0.5 * 3 + 250) / 4 = 62.9 -> k* 32 at micro-batch 2; the median stays 0.5 -> k* 1
+    assert rows["late"][2:5] == ["62.9 / 0.5", "32 / 1", "1"]
+
 # --- the run archive ------------------------------------------------------------------------------
 FIXTURE = Path(__file__).parent / "fixtures" / "archive"
 

@@ -356,24 +356,26 @@ def phase_section(by_key: dict[str, list[RunData]], group_by: str) -> list[str]:
     micro = most_common_int(runs, "train.batch_size") or 1
     buckets = sorted({b for r in runs for b in r.bucket_gns}, key=lambda b: int(b[5:]))
     lines = ["## Prediction against measurement, per phase", "",
-             f"Per third of the budget ({budget:.0f} samples): the largest per-bucket B_simple (mean over all "
-             "runs here, whatever their setting: B_noise is a property of the loss surface at that point) and "
-             f"the accumulate_every it implies at micro-batch {micro} (k* = B / micro-batch, next power of "
-             "two), against the setting with the lowest val loss at the phase's end (mean over seeds).", "",
-             f"| phase | samples | largest bucket B_simple | predicted k* | best {group_by} measured | "
-             "val loss per setting |", "|---|---|---|---|---|---|"]
+             f"Per third of the budget ({budget:.0f} samples): the largest per-bucket B_simple over all runs here, "
+             "whatever their setting (B_noise is a property of the loss surface at that point), and the "
+             f"accumulate_every it implies at micro-batch {micro} (k* = B / micro-batch, next power of two), "
+             "against the setting with the lowest val loss at the phase's end (mean over seeds). The mean over "
+             "runs is the prediction; the median is a robustness check, since one run's noisy probe (a |G|² "
+             "estimate near zero) can move the mean by orders of magnitude.", "",
+             f"| phase | samples | largest bucket B_simple: mean / median | predicted k*: mean / median | "
+             f"best {group_by} measured | val loss per setting |", "|---|---|---|---|---|---|"]
     by_bucket = {b: bucket_phase_values(runs, b) for b in buckets}
     for i, phase in enumerate(PHASES):
         at = budget * (i + 1) / 3
-        per_bucket = {b: np.mean(v[phase]) for b, v in by_bucket.items() if v[phase]}
-        b_max = max(per_bucket.values()) if per_bucket else float("nan")
-        k_star = balanced_accumulate_every(float(b_max), micro, 1) if b_max > 0 else None
+        b_mean, b_median = (max((float(f(v[phase])) for v in by_bucket.values() if v[phase]), default=float("nan"))
+                            for f in (np.mean, np.median))
+        k_mean, k_median = (balanced_accumulate_every(b, micro, 1) if b > 0 else "—" for b in (b_mean, b_median))
         val = {key: [float(np.interp(at, r.val_samples, r.val_loss)) for r in rs if r.has_val]
                for key, rs in by_key.items()}
         val = {k: v for k, v in val.items() if v}
         best = min(val, key=lambda k: np.mean(val[k]))
         cells = ", ".join(f"{k}: {mean_std(v, '.4g', '.2g')}" for k, v in val.items())
-        lines.append(f"| {phase} | {at:.0f} | {b_max:.3g} | {'—' if k_star is None else k_star} | {best} | {cells} |")
+        lines.append(f"| {phase} | {at:.0f} | {b_mean:.3g} / {b_median:.3g} | {k_mean} / {k_median} | {best} | {cells} |")
     return lines + [""]
 
 
