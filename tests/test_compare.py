@@ -281,6 +281,16 @@ def test_phase_prediction_shows_the_median_beside_the_mean():
     # late: mean (0.5 * 3 + 250) / 4 = 62.9 -> k* 32 at micro-batch 2; the median stays 0.5 -> k* 1
     assert rows["late"][2:5] == ["62.9 / 0.5", "32 / 1", "1"]
 
+
+def test_sample_quality_cells_count_runs_beating_floors_and_collapse_constant_floors():
+    from voxdiff.report.rendering import eval_cell
+
+    assert eval_cell("eval_beats_floors", [1, 0, 1]) == "2/3"
+    floor = 0.1 + 0.2  # the same floor in every run, up to float rounding in the mean
+    assert eval_cell("eval_mae_floor_tissue_mean", [floor, 0.3, floor]) == "0.3"
+    assert eval_cell("eval_ssim", [0.8, 0.9]) == "0.85 ± 0.071"
+    assert eval_cell("eval_ssim", []) == "—"
+
 # --- the run archive ------------------------------------------------------------------------------
 FIXTURE = Path(__file__).parent / "fixtures" / "archive"
 
