@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-ORDER = ("memory", "accumulation", "data", "tracking", "gns", "sampling", "growth", "medddpm", "speed")
+ORDER = ("memory", "accumulation", "data", "tracking", "gns", "sampling", "growth", "medddpm", "speed", "phema")
 GPU_NOTE = ("`benchmarks/gpu.sh` runs this suite on CUDA at med-ddpm's size (params-gpu.yaml: 128^3, 64 base channels, "
             "batch 1, bf16 autocast), eager and with `torch.compile`. It has not been run: the machine that produced "
             "these results has no GPU.")
@@ -88,6 +88,8 @@ def markdown(results: dict) -> str:
              "rerun `make bench` (or `.venv/bin/python benchmarks/run.py`).", "",
              f"- Run: {results['profile']} profile, {results['started']}, {results['elapsed_s'] / 60:.1f} min; "
              f"command `{results['command']}`",
+             *(f"- Updated: {', '.join(u['benchmarks'])} rerun {u['started']} with `{u['command']}`"
+               for u in results.get("updates", [])),
              f"- Machine: {m['cpu']}, {m['cores_logical']} logical / {m['cores_physical']} physical cores, "
              f"{m['memory_gb']} GB RAM, {m['os']}",
              f"- Software: Python {m['python']}, torch {m['torch']} ({m['torch_threads']} threads), MONAI {m['monai']}, "

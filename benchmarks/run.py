@@ -1,4 +1,4 @@
-"""voxdiff benchmarks (`make bench`): the issue's eight side-by-side measurements.
+"""voxdiff benchmarks (`make bench`): side-by-side measurements, each reported as ratios.
 
     .venv/bin/python benchmarks/run.py                  # full run (< 15 min on 2 cores) -> results.json, RESULTS.md
     .venv/bin/python benchmarks/run.py --quick          # smoke run (< 2 min) -> .scratch/results-quick.json
@@ -85,8 +85,11 @@ def main(argv=None) -> int:
                "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": harness.machine(ctx.device),
                "config": config_text(ctx, params_path, a), "settings": PROFILES[profile], "benchmarks": {}}
     previous = json.loads(out.read_text()) if out.is_file() and a.only else {}
-    if previous.get("profile") == profile and previous.get("machine", {}).get("device") == str(ctx.device):
-        results["benchmarks"] = previous["benchmarks"]  # --only: update these benchmarks, keep the others
+    merged = previous.get("profile") == profile and previous.get("machine", {}).get("device") == str(ctx.device)
+    if merged:  # --only: update these benchmarks, keep the others and the header of the run that made them
+        update = {k: results[k] for k in ("started", "command")} | {"benchmarks": names}
+        results.update({k: previous[k] for k in ("started", "command", "elapsed_s", "benchmarks")},
+                       updates=[*previous.get("updates", []), update])
 
     import suite
 
@@ -104,7 +107,8 @@ def main(argv=None) -> int:
         results["benchmarks"][name] = entry
         if "train_speedup_vs_fp32_baseline" in entry:  # the headline ratio, at the top for tools and the issue
             results["train_speedup_vs_fp32_baseline"] = entry["train_speedup_vs_fp32_baseline"]
-        results["elapsed_s"] = time.time() - started
+        if not merged:
+            results["elapsed_s"] = time.time() - started
         write(results, out)  # after every benchmark: an interrupted run keeps what it measured
         md = report.write_markdown(results, out)
         print(f"[bench] {name}: {entry['elapsed_s']:.0f} s", file=sys.stderr, flush=True)

@@ -465,5 +465,62 @@ def speed(ctx) -> dict:
                       "for 112 s and then ran 3 % faster than eager bf16, a loss within a 5-minute demo."]}
 
 
+# --- 10 ------------------------------------------------------------------------------------------
+def phema(ctx) -> dict:
+    """Post-hoc EMA: the profile updates per step, a snapshot, the checkpoint's growth and the reconstruction at the end."""
+    import io
+
+    from voxdiff.training.posthoc_ema import ProfileTracker
+
+    t = ctx.base.train
+    with tempfile.TemporaryDirectory(prefix="phema-", dir=SCRATCH) as tmp:
+        trainer, bare = ctx.trainer(root=Path(tmp)), ctx.trainer(overrides={"train.phema_sigma_rels": []})
+        with stopwatch(ProfileTracker, "update", ctx.device) as spent:
+            times = ctx.interleave({"off": bare.train_step, "on": trainer.train_step})
+        snap = med([timed(trainer.phema.snapshot, ctx.device) for _ in range(3)])  # same step: same files
+        snap_mb = sum(p.stat().st_size for p in trainer.phema.snapshots()) / 2**20
+
+        def ckpt_mb(tr) -> float:
+            buf = io.BytesIO()
+            torch.save(tr.state(False, None), buf)
+            return buf.tell() / 2**20
+
+        with_mb, without_mb = ckpt_mb(trainer), ckpt_mb(bare)
+        per_profile = round(t.max_samples / t.phema_snapshot_every_samples)  # a demo run's worth: reconstruction reads them all
+        for _ in range(per_profile - 1):
+            trainer.train_step()
+            trainer.phema.snapshot()
+        t0 = time.perf_counter()
+        trainer.posthoc_val_losses()
+        reconstruct_s = time.perf_counter() - t0
+    step, update = med(times["off"]), med(spent[1:] or spent)
+    steps_per_snapshot = t.phema_snapshot_every_samples / trainer.budget.effective_batch
+    run_steps = t.max_samples / trainer.budget.effective_batch
+    n_lengths = len(t.phema_eval_sigma_rels)
+    return {"goals": [goal("profile updates per step", 100 * update / step, "<", 3, unit="%",
+                           why=f"ProfileTracker.update took {update * 1e3:.1f} ms per step of {step:.2f} s "
+                               f"({len(t.phema_sigma_rels)} profiles)"),
+                      goal(f"snapshots (one every {t.phema_snapshot_every_samples} samples)",
+                           100 * snap / (steps_per_snapshot * step), "<", 1, unit="%",
+                           why=f"one snapshot took {snap * 1e3:.0f} ms, every {steps_per_snapshot:g} steps of {step:.2f} s"),
+                      info(f"reconstruction + val loss at {n_lengths} lengths, against the demo's training",
+                           100 * reconstruct_s / (run_steps * step), unit="%",
+                           note=f"{reconstruct_s:.1f} s once at the end, against {run_steps:.0f} steps of {step:.2f} s"),
+                      info("checkpoint size with the profiles vs without", with_mb / without_mb),
+                      info("step time, post-hoc EMA on vs off (end to end, noisy)", med(times["on"]) / step)],
+            "rows": [{"what": "step, post-hoc EMA off", "ms": step * 1e3},
+                     {"what": "step, post-hoc EMA on", "ms": med(times["on"]) * 1e3},
+                     {"what": f"ProfileTracker.update ({len(t.phema_sigma_rels)} profiles) per step", "ms": update * 1e3},
+                     {"what": f"one snapshot ({len(t.phema_sigma_rels)} files, {snap_mb:.1f} MB)", "ms": snap * 1e3},
+                     {"what": f"reconstruction + val loss at {n_lengths} lengths from {per_profile} snapshots per profile",
+                      "ms": reconstruct_s * 1e3},
+                     {"what": "checkpoint without post-hoc EMA", "MB": without_mb},
+                     {"what": "checkpoint with its profiles", "MB": with_mb}],
+            "notes": ["Verdicts from the tracker's own time (timed around ProfileTracker.update and snapshot), "
+                      "as for tracking and the noise-scale probe; the reconstruction re-reads every snapshot "
+                      "for each length (ema-pytorch's synthesize_ema_model)."]}
+
+
 BENCHMARKS = {"memory": memory, "accumulation": accumulation, "data": data, "tracking": tracking, "gns": gns,
-              "sampling": sampling, "growth": growth, "medddpm": medddpm, "speed": speed}
+              "sampling": sampling, "growth": growth, "medddpm": medddpm, "speed": speed,
+              "phema": phema}
