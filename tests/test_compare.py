@@ -258,7 +258,6 @@ def test_target_crossing_is_interpolated_between_validations():
     assert math.isnan(r.crossing(0.4, r.val_wall))  # no wall time logged at the crossing: unknown
 
 
-
 def test_phase_prediction_shows_the_median_beside_the_mean():
     """One run's near-zero |G|^2 estimate blows up its B_simple: the mean-based k* follows that outlier,
     the median beside it does not; the measured best setting comes from the val curves alone."""
@@ -290,6 +289,7 @@ def test_sample_quality_cells_count_runs_beating_floors_and_collapse_constant_fl
     assert eval_cell("eval_mae_floor_tissue_mean", [floor, 0.3, floor]) == "0.3"
     assert eval_cell("eval_ssim", [0.8, 0.9]) == "0.85 ± 0.071"
     assert eval_cell("eval_ssim", []) == "—"
+
 
 # --- the run archive ------------------------------------------------------------------------------
 FIXTURE = Path(__file__).parent / "fixtures" / "archive"

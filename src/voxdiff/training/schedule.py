@@ -112,7 +112,8 @@ def ema_beta(train: Train, window_samples: int, samples_seen: int) -> float:
     return 0.5 ** (window_samples / max(ema_halflife(train, samples_seen), 1e-8))
 
 
-def crossed(before: int, after: int, every: int) -> bool:
-    """True when a multiple of `every` lies in (before, after]: validation counted in samples lands at
-    the same samples whatever the effective batch (a step-count cadence lands k x later at k x accumulation)."""
-    return after // every > before // every
+def due_in_samples(before: int, after: int, every: int, last: bool) -> bool:
+    """True at the last step, or when a multiple of `every` lies in (before, after]; never for every = 0.
+    Counted in samples, validation, post-hoc EMA snapshots and probes land at the same samples whatever
+    the effective batch (a step-count cadence lands k x later at k x accumulation)."""
+    return every > 0 and (last or after // every > before // every)

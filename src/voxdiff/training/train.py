@@ -16,7 +16,7 @@ from voxdiff.training.distributed import Runtime, init_runtime, shutdown
 from voxdiff.errors import TrainingDiverged
 from voxdiff.fsutil import write_json, write_text
 from voxdiff.params import Params
-from voxdiff.training.schedule import crossed, ema_rampup_end
+from voxdiff.training.schedule import due_in_samples, ema_rampup_end
 from voxdiff.training.trainer import Trainer, due
 from voxdiff.tracking.runs import RunTracker
 
@@ -108,10 +108,7 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
             if tracker:
                 tracker.log_history(trainer.counters.history)
 
-    c, tr = trainer.counters, params.train
-    # Validation, post-hoc EMA snapshots and the bucket probe are due when samples seen crosses a
-    # multiple of their `*_every_samples` (0 = never), and at the end: counted in samples, they land at
-    # the same samples whatever the effective batch. Rank 0 only (the EMA weights agree on every rank).
+    c = trainer.counters
     bar = make_bar(rt, budget.total_steps, c.step, progress)
     try:
         with GracefulInterrupt() as interrupt:
@@ -120,14 +117,8 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
                 record = trainer.train_step()
                 record["timestamp"] = time.time()
                 last = c.step == budget.total_steps
-                due_on_main = lambda every: rt.is_main and every > 0 and (  # noqa: E731
-                    last or crossed(before, c.samples_seen, every))
-                if due_on_main(tr.val_every_samples):
-                    record["val_loss"] = trainer.validation_loss()
-                if trainer.phema is not None and due_on_main(tr.phema_snapshot_every_samples):
-                    trainer.phema.snapshot()  # before the checkpoint below, which must not predate it
-                if due_on_main(tr.gns_buckets_every_samples):
-                    record.update(trainer.bucket_noise_scale())
+                if rt.is_main:  # the EMA weights agree on every rank
+                    run_sample_counted_events(trainer, record, before, last)  # before the checkpoint below
                 c.history.append(record)
                 report_progress(rt, bar, record, budget)
                 if due(c.step, params.train.checkpoint_every, budget.total_steps) and not last:
@@ -169,6 +160,18 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
         say(rt, f"done: val_loss {summary['final_val_loss']:.4f}, {summary['total_samples']} samples in "
                 f"{summary['total_wall_time']:.0f} s ({summary['samples_per_s']:.2f} samples/s)")
     return summary
+
+
+def run_sample_counted_events(trainer: Trainer, record: dict, before: int, last: bool) -> None:
+    """Validation, post-hoc EMA snapshots and the bucket noise-scale probe, each when it is due in
+    samples (schedule.due_in_samples) after the step that took samples seen from `before` to now."""
+    tr, now = trainer.p.train, trainer.counters.samples_seen
+    if due_in_samples(before, now, tr.val_every_samples, last):
+        record["val_loss"] = trainer.validation_loss()
+    if trainer.phema is not None and due_in_samples(before, now, tr.phema_snapshot_every_samples, last):
+        trainer.phema.snapshot()  # a checkpoint must not predate its snapshots
+    if due_in_samples(before, now, tr.gns_buckets_every_samples, last):
+        record.update(trainer.bucket_noise_scale())
 
 
 def model_metadata(trainer: Trainer) -> dict:
