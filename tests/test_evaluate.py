@@ -102,6 +102,8 @@ def test_evaluate_writes_outputs_and_separates_trained_from_untrained(project, t
     for k in ("ssim", "psnr", "mae"):
         assert m[f"eval_{k}_floor_noise"] is not None and m[f"eval_{k}_floor_tissue_mean"] is not None
     assert 0 <= m["eval_msssim_samples"] < 0.99  # two samples of one label map differ
+    # The tiny cache is not built-in data: there is no second image of a label map, so no reference.
+    assert "eval_diversity_reference" not in m
 
     # NIfTI samples on each subject's processed grid; montages; nothing half-written left behind.
     cache = open_cache(root / "data" / "processed")
@@ -284,15 +286,129 @@ def test_incompatible_checkpoints_are_refused_in_one_line(project):
 
 
 def test_msssim_fits_small_grids():
+    """The configuration fits small grids; with a brain that fills the grid the brain-centred MS-SSIM is
+    MONAI's MultiScaleSSIMMetric of the same configuration (same scales, window and weights)."""
+    from monai.metrics import MultiScaleSSIMMetric
+
     from voxdiff.evaluation.evaluate import msssim_config, msssim_metric
 
     assert msssim_config((32, 32, 32))[:2] == (3, 7) and msssim_config((16, 16, 16))[:2] == (2, 7)
     assert msssim_config((128, 128, 128))[:2] == (5, 7) and sum(msssim_config((32,) * 3)[2]) == pytest.approx(1)
     g = torch.Generator().manual_seed(0)
-    a = torch.rand(1, 1, 32, 32, 32, generator=g) * 2 - 1
+    a = torch.rand(32, 32, 32, generator=g) * 2 - 1
+    b = (a + 0.5 * torch.rand(a.shape, generator=g)).clamp(-1, 1)
+    everywhere = np.ones(a.shape, bool)
     metric = msssim_metric((32, 32, 32))
-    assert float(metric(a, a).mean()) == pytest.approx(1.0, abs=1e-4)
-    assert 0 <= float(metric(a, (a + 0.5 * torch.rand(a.shape, generator=g)).clamp(-1, 1)).mean()) < 0.99
+    assert metric(a.numpy(), a.numpy(), everywhere) == pytest.approx(1.0, abs=1e-4)
+    ours = metric(a.numpy(), b.numpy(), everywhere)
+    _, k, weights = msssim_config((32, 32, 32))
+    monai = MultiScaleSSIMMetric(spatial_dims=3, data_range=2.0, kernel_size=k, kernel_sigma=1.5 * k / 11,
+                                 weights=weights)
+    assert 0 < ours < 0.99 and ours == pytest.approx(float(monai(a[None, None], b[None, None]).mean()), abs=1e-5)
+
+
+def _ball_subject(shape=(32, 32, 32), radius=12):
+    """A head as the cache stores it: a ball of two tissue classes in background, real volume -1 outside."""
+    z, y, x = np.mgrid[tuple(slice(0, n) for n in shape)]
+    d2 = sum((c - n // 2) ** 2 for c, n in zip((z, y, x), shape))
+    label = np.where(d2 < radius ** 2, np.where(x < shape[2] // 2, 1, 2), 0).astype(np.uint8)
+    real = np.where(label > 0, 0.3 * np.sin(x / 3.0) + np.where(label == 2, 0.4, -0.2), -1.0).astype(np.float32)
+    return label, real
+
+
+def test_diversity_is_not_flattered_by_the_shared_background(tmp_path):
+    """Samples of one label map share its mask. Over the whole grid with a -1 background (the old figure)
+    two independent noise samples looked alike from the shared background alone; brain-centred, with the
+    background filled, they score as unrelated, while identical samples still score 1."""
+    from monai.metrics import MultiScaleSSIMMetric
+
+    from voxdiff.data.cache import open_cache
+    from voxdiff.evaluation.evaluate import masked, measure, msssim_config, noise_image
+
+    shape = (32, 32, 32)
+    cache = open_cache(write_tiny_cache(tmp_path, shape=shape))
+    label, real = _ball_subject(shape)
+    brain = label > 0
+    noise = [np.where(brain, noise_image(shape, s), -1.0).astype(np.float32) for s in range(4)]
+
+    def diversity(samples, **kw):
+        subjects = [{"label": label, "real": real, "samples": samples}]
+        return measure(subjects, cache, cache.split_indices("val"), 3, ["label0", "label1", "label2"], shape, **kw)
+
+    same = diversity([real, real.copy()])
+    assert same["eval_msssim_samples"] == pytest.approx(1.0, abs=1e-5)
+
+    _, k, weights = msssim_config(shape)
+    whole_grid = MultiScaleSSIMMetric(spatial_dims=3, data_range=2.0, kernel_size=k, kernel_sigma=1.5 * k / 11,
+                                      weights=weights)
+    pairs = [(i, j) for i in range(4) for j in range(i + 1, 4)]
+    as_before = np.mean([float(whole_grid(torch.as_tensor(masked(noise[i], brain))[None, None],
+                                          torch.as_tensor(masked(noise[j], brain))[None, None]).mean())
+                         for i, j in pairs])
+    # Negative control: the same noise with nothing around it (a brain filling the grid) is unrelated.
+    alone = np.mean([float(whole_grid(torch.as_tensor(noise_image(shape, i))[None, None],
+                                      torch.as_tensor(noise_image(shape, j))[None, None]).mean()) for i, j in pairs])
+    now = diversity(noise)["eval_msssim_samples"]
+    assert alone < 0.1 and as_before > 0.5  # the old figure: half-way to "identical", from the background
+    assert now < 0.15 and as_before - now > 0.4
+    # A reference goes next to the figure when there is one, and is absent (not made up) when there is none.
+    assert "eval_diversity_reference" not in same
+    assert diversity([real, real], reference=0.5)["eval_diversity_reference"] == 0.5
+
+
+@pytest.fixture(scope="module")
+def builtin_cache(tmp_path_factory):
+    """(params, cache) of the built-in data, small: 2 pseudo-subjects at 4 mm, 24^3 at 8 mm, 1 validation."""
+    from voxdiff.data import prepare, preprocess
+    from voxdiff.data.cache import open_cache
+
+    root = tmp_path_factory.mktemp("builtin")
+    params = make_params({"data.subjects": 2, "data.synth_spacing": 4.0, "data.val_subjects": 1,
+                          "preprocess.spacing": [8.0, 8.0, 8.0], "preprocess.shape": [24, 24, 24]}, tiny=False)
+    prepare.run_prepare(params, root)
+    preprocess.run_preprocess(params, root)
+    return params, open_cache(root / "data" / "processed")
+
+
+def test_diversity_reference_of_the_builtin_data_lies_between_the_extremes(builtin_cache):
+    """Two images of one label map in the built-in data (same deformation, bias field and noise drawn
+    again) are neither identical (1) nor unrelated (noise): the reference a model's diversity is read against."""
+    import dataclasses
+
+    from voxdiff.data.cache import ProcessedCache
+    from voxdiff.evaluation.evaluate import (builtin_subject, diversity_reference, msssim_metric, noise_image,
+                                             pairwise_msssim)
+
+    params, cache = builtin_cache
+    rows = cache.split_indices("val")
+    r = int(rows[0])
+    index = int(cache.subjects[r]["id"].split("-")[1])
+    label, real = np.asarray(cache.labels[r]), np.asarray(cache.images[r])
+    # Appearance 0 is the cached subject itself (the pipeline reproduced); appearance 1 keeps its label map
+    # and changes its image.
+    again, again_label = builtin_subject(params, index, 0)
+    assert np.array_equal(again_label, label) and np.allclose(again, real, atol=1e-6)
+    other, other_label = builtin_subject(params, index, 1)
+    assert np.array_equal(other_label, label) and np.abs(other - real)[label > 0].mean() > 0.01
+
+    shape = real.shape
+    metric = msssim_metric(shape)
+    brains = [label > 0] * 2
+    reference = diversity_reference(params, cache, rows, metric)
+    assert reference == pytest.approx(pairwise_msssim([real, other], brains, metric))
+    identical = pairwise_msssim([real, real.copy()], brains, metric)
+    noise = pairwise_msssim([noise_image(shape, 0), noise_image(shape, 1)], brains, metric)
+    assert noise < reference < identical == pytest.approx(1.0)
+    assert reference - noise > 0.5 and identical - reference > 1e-3
+
+    # Negative controls: no reference for user data, nor for a cache these params did not make.
+    user = dataclasses.replace(params, data=dataclasses.replace(params.data, source="mine"))
+    assert diversity_reference(user, cache, rows, metric) is None
+    labels = np.array(cache.labels)
+    labels[r] = np.roll(labels[r], 1, axis=0)
+    stale = ProcessedCache(cache.root, cache.images, labels, cache.manifest)
+    with pytest.warns(UserWarning, match="no diversity reference"):
+        assert diversity_reference(params, stale, rows, metric) is None
 
 
 # --- voxdiff sample -----------------------------------------------------------------------------------

@@ -107,8 +107,14 @@ def tissue_labels(t1: np.ndarray, gm: np.ndarray, wm: np.ndarray) -> np.ndarray:
     return np.where(brain, label, 0).astype(np.uint8)
 
 
-def synth_subject(index: int, seed: int, spacing: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(image float32, label uint8, affine) of pseudo-subject ``index``, RAS."""
+def synth_subject(index: int, seed: int, spacing: float,
+                  appearance: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(image float32, label uint8, affine) of pseudo-subject ``index``, RAS.
+
+    ``appearance`` 0 is the stored subject; k > 0 keeps its deformation (so its label map) and draws the
+    bias field, gain and noise from stream k: the same label map, another image (evaluate's diversity
+    reference).
+    """
     rng = np.random.default_rng([seed, index])
     t1, gm, wm, tpl_affine = template(spacing)
     shape, affine = output_grid(t1.shape, tpl_affine, spacing)
@@ -117,6 +123,8 @@ def synth_subject(index: int, seed: int, spacing: float) -> tuple[np.ndarray, np
     t1_w, gm_w, wm_w = (ndimage.map_coordinates(m, coords, order=1, cval=0.0, prefilter=False)
                         for m in (t1, gm, wm))
     label = tissue_labels(t1_w, gm_w, wm_w)
+    if appearance:
+        rng = np.random.default_rng([seed, index, appearance])
     bias = 1.0 + BIAS * np.tanh(smooth_field(rng, shape, spacing, 60.0, 1)[0] / 2)
     gain = rng.uniform(*GAIN)
     image = gain * (t1_w * bias + NOISE * rng.standard_normal(shape, dtype=np.float32))

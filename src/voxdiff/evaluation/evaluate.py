@@ -16,9 +16,18 @@ Metrics (volumes in the cache's [-1, 1] scale; "brain" = label > 0):
                            subjects' mean intensity of its class); eval_beats_floors = 1 when the
                            samples beat both on SSIM, PSNR and MAE
   eval_msssim_samples      diversity: MS-SSIM between samples of the same label map (needs
-                           samples_per_condition >= 2); 1 = identical, mode collapse
-  eval_msssim_real         the same between real volumes of different validation subjects, for scale
-                           (MONAI clips negative contrast-structure terms, so unrelated volumes give 0)
+                           samples_per_condition >= 2), each scale averaged over windows centred in the
+                           brain as SSIM is, the background set to each volume's brain mean rather than a
+                           shared -1; 1 = identical samples (no variation, mode collapse), ~0 = unrelated
+                           noise (MONAI clips negative contrast-structure terms to 0)
+  eval_diversity_reference the same figure for two images of one label map in the data itself: each
+                           evaluated built-in subject against its own pseudo-subject with the bias field,
+                           gain and noise drawn again (same deformation). Samples with the data's variation
+                           score near it; above it (towards 1) they vary less than the data, below it more
+                           (or are noise). Built-in data only: absent for your data, which has no second
+                           image of one label map to compare
+  eval_msssim_real         the same between real volumes of different validation subjects (windows centred
+                           in either brain): different anatomy, not a target for the samples
   eval_w1_<class>          Wasserstein-1 between generated and real intensities inside each class
   eval_mean_real_<class>, eval_mean_sample_<class>, eval_contrast_order_ok (1 when the samples' class
                            means keep the real data's order, e.g. CSF < GM < WM on T1, each step with at
@@ -36,6 +45,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -81,11 +91,25 @@ def _odd_at_most(n: int, cap: int = 11) -> int:
     return k if k % 2 else k - 1
 
 
-class BrainSSIM:
-    """3D SSIM averaged over windows centred in the brain only.
+def brain_ssim_and_cs(x: torch.Tensor, y: torch.Tensor, brain: np.ndarray, k: int) -> tuple[float, float]:
+    """MONAI's SSIM and contrast-structure maps of [1, 1, D, H, W] volumes (compute_ssim_and_cs: Gaussian
+    window of k voxels, sigma 1.5 k / 11, valid convolution), each averaged over the windows centred in
+    the brain; (nan, nan) when no window is. The one windowing rule of SSIM and MS-SSIM."""
+    from monai.metrics.regression import compute_ssim_and_cs
 
-    MONAI computes the SSIM map (compute_ssim_and_cs, Gaussian window 11 voxels, sigma 1.5, shrunk
-    for grids under 11 voxels); we average it over brain centres. Averaging over the whole grid
+    smap, cs = compute_ssim_and_cs(x, y, spatial_dims=3, kernel_size=[k] * 3, kernel_sigma=[1.5 * k / 11] * 3,
+                                   data_range=DATA_RANGE)
+    r = k // 2
+    centres = np.asarray(brain, bool)[tuple(slice(r, n - r) for n in brain.shape)]
+    if not centres.any():
+        return float("nan"), float("nan")
+    return float(smap[0, 0].numpy()[centres].mean()), float(cs[0, 0].numpy()[centres].mean())
+
+
+class BrainSSIM:
+    """3D SSIM averaged over windows centred in the brain only (brain_ssim_and_cs).
+
+    Window 11 voxels, sigma 1.5, shrunk for grids under 11 voxels. Averaging over the whole grid
     (as SSIMMetric does) lets the ~75 % background, identical in both volumes, flatter any sample:
     pure noise scored 0.22-0.42 that way and scores ~0 here.
     """
@@ -94,14 +118,7 @@ class BrainSSIM:
         self.k = max(1, _odd_at_most(min(shape)))
 
     def __call__(self, x: np.ndarray, y: np.ndarray, brain: np.ndarray) -> float:
-        from monai.metrics.regression import compute_ssim_and_cs
-
-        k, r = self.k, self.k // 2
-        smap, _ = compute_ssim_and_cs(_vol(x), _vol(y), spatial_dims=3, kernel_size=[k] * 3,
-                                      kernel_sigma=[1.5 * k / 11] * 3, data_range=DATA_RANGE)
-        centres = brain[tuple(slice(r, n - r) for n in brain.shape)] if r else brain
-        values = smap[0, 0].numpy()[centres]
-        return float(values.mean()) if values.size else float("nan")
+        return brain_ssim_and_cs(_vol(x), _vol(y), brain, self.k)[0]
 
 
 def ssim_metric(shape) -> BrainSSIM:
@@ -130,12 +147,38 @@ def msssim_config(shape) -> tuple[int, int, tuple[float, ...]]:
     raise VoxdiffError(f"a {list(shape)} grid is too small for MS-SSIM (needs at least 10 voxels per axis)")
 
 
-def msssim_metric(shape):
-    from monai.metrics import MultiScaleSSIMMetric
+class BrainMSSSIM:
+    """MS-SSIM (MONAI's compute_ms_ssim: contrast-structure at each finer scale, SSIM at the coarsest,
+    negative terms clipped to 0, weighted geometric mean; 2x average pooling between scales) with each
+    scale's maps averaged over the windows centred in the brain, as BrainSSIM does (brain_ssim_and_cs).
+    At a coarser scale a voxel is brain when at least half of the finer voxels it pools are.
 
-    _, k, weights = msssim_config(shape)
-    return MultiScaleSSIMMetric(spatial_dims=3, data_range=DATA_RANGE, kernel_size=k, kernel_sigma=1.5 * k / 11,
-                                weights=weights)
+    Over the whole grid (MultiScaleSSIMMetric) the background, -1 in both volumes of a pair with one
+    mask, scores 1 in every window and inflates the figure; with a brain that fills the grid the two
+    are the same number. Scales and window: msssim_config; inputs: brain_filled (pairwise_msssim).
+    """
+
+    def __init__(self, shape):
+        self.levels, self.k, self.weights = msssim_config(shape)
+
+    def __call__(self, x: np.ndarray, y: np.ndarray, brain: np.ndarray) -> float:
+        import torch.nn.functional as F
+
+        x, y, brain = _vol(x), _vol(y), np.asarray(brain, bool)
+        terms = []
+        for level in range(self.levels):
+            if level:
+                x, y = F.avg_pool3d(x, 2), F.avg_pool3d(y, 2)
+                brain = F.avg_pool3d(_vol(brain), 2)[0, 0].numpy() >= 0.5
+            ssim, cs = brain_ssim_and_cs(x, y, brain, self.k)
+            terms.append(ssim if level == self.levels - 1 else cs)
+        if not all(math.isfinite(t) for t in terms):
+            return float("nan")
+        return float(np.prod([max(t, 0.0) ** w for t, w in zip(terms, self.weights)]))
+
+
+def msssim_metric(shape) -> BrainMSSSIM:
+    return BrainMSSSIM(shape)
 
 
 def _vol(x: np.ndarray) -> torch.Tensor:
@@ -144,6 +187,15 @@ def _vol(x: np.ndarray) -> torch.Tensor:
 
 def masked(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:
     return np.where(brain, volume, -1.0).astype(np.float32)
+
+
+def brain_filled(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:
+    """The volume with its background set to its own mean in the brain (the MS-SSIM inputs): a -1
+    background drawn into both volumes of a pair puts one step at the brain's edge into both, which every
+    window across the edge, and every coarse scale, reads as shared structure."""
+    volume = np.asarray(volume, np.float32)
+    fill = float(volume[brain].mean()) if brain.any() else -1.0
+    return np.where(brain, volume, fill).astype(np.float32)
 
 
 def fidelity(sample: np.ndarray, real: np.ndarray, brain: np.ndarray, ssim: BrainSSIM) -> dict:
@@ -198,12 +250,57 @@ def fidelity_floors(subjects: list[dict], cache: ProcessedCache, ssim: BrainSSIM
     return floors
 
 
-def pairwise_msssim(volumes: list[np.ndarray], metric, max_pairs: int | None = None) -> float | None:
+def pairwise_msssim(volumes: list[np.ndarray], brains: list[np.ndarray], metric: BrainMSSSIM,
+                    max_pairs: int | None = None) -> float | None:
+    """Mean brain-centred MS-SSIM over pairs of volumes (background filled: brain_filled), each pair over
+    the windows centred in either's brain; None for fewer than two volumes."""
     pairs = list(itertools.combinations(range(len(volumes)), 2))[:max_pairs]
     if not pairs:
         return None
-    values = [float(metric(_vol(volumes[i]), _vol(volumes[j])).mean()) for i, j in pairs]
+    values = [metric(brain_filled(volumes[i], brains[i]), brain_filled(volumes[j], brains[j]), brains[i] | brains[j])
+              for i, j in pairs]
     return float(np.mean(values))
+
+
+def builtin_subject(params: Params, index: int, appearance: int) -> tuple[np.ndarray, np.ndarray]:
+    """(image, class indices) of built-in pseudo-subject ``index`` with bias field, gain and noise from
+    stream ``appearance`` (0 = the stored subject), through preprocess's own code onto its grid."""
+    import tempfile
+
+    from voxdiff.data import builtin, preprocess
+
+    image, label, affine = builtin.synth_subject(index, params.data.seed, params.data.synth_spacing, appearance)
+    with tempfile.TemporaryDirectory(prefix="voxdiff-reference-") as tmp:
+        paths_ = (Path(tmp) / "image.nii.gz", Path(tmp) / "label.nii.gz")
+        builtin.save_nifti(paths_[0], image, affine)
+        builtin.save_nifti(paths_[1], label, affine)
+        out_image, out_classes, _, _ = preprocess.preprocess_pair(*paths_, params)
+    return out_image, out_classes
+
+
+def diversity_reference(params: Params, cache: ProcessedCache, rows, metric: BrainMSSSIM) -> float | None:
+    """eval_diversity_reference: the brain-centred MS-SSIM between two images of one label map in the
+    built-in data, averaged over the evaluated subjects: each subject's cached volume and the same
+    pseudo-subject (same deformation, so the same label map) with its bias field, gain and noise drawn
+    again, preprocessed the same way: the variation of the data's own images given a label map. None (there
+    is no such pair) unless the cache was made from the built-in data by these params."""
+    if not params.data.builtin or cache.manifest.get("source") != params.data.source:
+        return None
+    values = []
+    for r in rows:
+        sid = cache.subjects[r]["id"]
+        found = re.fullmatch(r"sub-(\d+)", sid)
+        if not found:
+            return None
+        image, label = builtin_subject(params, int(found.group(1)), appearance=1)
+        cached_label = np.asarray(cache.labels[r])
+        if image.shape != cached_label.shape or not np.array_equal(label, cached_label):
+            warnings.warn(f"{cache.root}: subject {sid} is not built-in pseudo-subject {sid} of params.yaml's "
+                          "data and preprocess settings; no diversity reference (rerun prepare and preprocess)")
+            return None
+        values.append(pairwise_msssim([np.asarray(cache.images[r], np.float32), image], [cached_label > 0] * 2,
+                                      metric))
+    return float(np.mean(values)) if values else None
 
 
 def contrast_ratio(real_means: dict[int, float], sample_means: dict[int, float]) -> float | None:
@@ -334,7 +431,10 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     finally:
         bar.close()
 
-    metrics = measure(subjects, cache, val_rows, C, keys, shape)
+    reference = diversity_reference(params, cache, rows, msssim_metric(shape))
+    if reference is None and not params.data.builtin:
+        say("no diversity reference (eval_diversity_reference): it exists for the built-in data only")
+    metrics = measure(subjects, cache, val_rows, C, keys, shape, reference)
     metrics.update(fidelity_floors(subjects, cache, ssim_metric(shape), params.seed))
     metrics["eval_beats_floors"] = int(beats_floors(metrics))
     metrics = {"eval_val_loss": val_loss, **metrics,
@@ -361,6 +461,8 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     say(f"SSIM {_fmt(metrics['eval_ssim'], 3)} (floors: noise {_fmt(metrics['eval_ssim_floor_noise'], 3)}, "
         f"tissue-mean {_fmt(metrics['eval_ssim_floor_tissue_mean'], 3)}), PSNR {_fmt(metrics['eval_psnr'], 1)} dB, "
         f"MAE {_fmt(metrics['eval_mae'], 3)}, contrast order {'kept' if metrics['eval_contrast_order_ok'] else 'NOT kept'}, "
+        f"diversity MS-SSIM {_fmt(metrics['eval_msssim_samples'], 3)} (the data's own: "
+        f"{_fmt(metrics.get('eval_diversity_reference'), 3)}), "
         f"{metrics['eval_seconds_per_volume']:.2f} s/volume -> {out['metrics']}")
     return metrics
 
@@ -376,7 +478,10 @@ def _fmt(value, digits: int) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def measure(subjects: list[dict], cache: ProcessedCache, val_rows, C: int, keys: list[str], shape) -> dict:
+def measure(subjects: list[dict], cache: ProcessedCache, val_rows, C: int, keys: list[str], shape,
+            reference: float | None = None) -> dict:
+    """The sample metrics of the module docstring; ``reference`` (diversity_reference) is stored next to
+    the samples' diversity when there is one."""
     from scipy.stats import wasserstein_distance
 
     ssim = ssim_metric(shape)
@@ -386,11 +491,14 @@ def measure(subjects: list[dict], cache: ProcessedCache, val_rows, C: int, keys:
     m: dict = {f"eval_{k}": float(np.mean([f[k] for f in fid])) for k in ("ssim", "psnr", "mae")}
 
     ms = msssim_metric(shape)
-    within = [pairwise_msssim([masked(x, e["label"] > 0) for x in e["samples"]], ms) for e in subjects]
+    within = [pairwise_msssim(e["samples"], [e["label"] > 0] * len(e["samples"]), ms) for e in subjects]
     within = [w for w in within if w is not None]
     m["eval_msssim_samples"] = float(np.mean(within)) if within else None
-    reals = [masked(np.asarray(cache.images[r], np.float32), np.asarray(cache.labels[r]) > 0) for r in val_rows]
-    m["eval_msssim_real"] = pairwise_msssim(reals, ms, MAX_REAL_PAIRS)
+    if reference is not None:
+        m["eval_diversity_reference"] = reference
+    reals = [np.asarray(cache.images[r], np.float32) for r in val_rows]
+    m["eval_msssim_real"] = pairwise_msssim(reals, [np.asarray(cache.labels[r]) > 0 for r in val_rows], ms,
+                                            MAX_REAL_PAIRS)
 
     # Tissue realism: intensity distributions and mean contrast per class, pooled over subjects.
     real_means, sample_means = {}, {}
