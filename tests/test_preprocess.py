@@ -103,9 +103,9 @@ def test_to_original_grid_restores_the_label_map(tmp_path):
 
 def test_preprocess_label_alone_uses_the_same_grid_rule(tmp_path):
     _, label_path = write_pair(tmp_path / "i.nii.gz", tmp_path / "l.nii.gz", lps=True)
-    classes, affine, prov = preprocess.preprocess_label(label_path, user_params(tmp_path))
+    classes, placement, prov = preprocess.preprocess_label(label_path, user_params(tmp_path))
     assert classes.shape == (16, 16, 16) and prov["original_orientation"] == "LPS"
-    assert np.allclose(world_of_voxel(affine, centroid(classes == 2)), cube_world_centre(), atol=1e-6)
+    assert np.allclose(world_of_voxel(placement.affine, centroid(classes == 2)), cube_world_centre(), atol=1e-6)
 
 
 def test_run_preprocess_writes_the_cache_format(tmp_path):
@@ -124,7 +124,8 @@ def test_run_preprocess_writes_the_cache_format(tmp_path):
     assert c.manifest["version"] == cache.FORMAT_VERSION
     assert c.manifest["shape"] == [16, 16, 16] and c.manifest["spacing"] == [2.0, 2.0, 2.0]
     assert c.label_values == [0, 1, 2]
-    h = hashlib.sha256(np.asarray(c.images).tobytes() + np.asarray(c.labels).tobytes()).hexdigest()[:16]
+    split = json.dumps([[s["id"], s["split"]] for s in c.subjects]).encode()
+    h = hashlib.sha256(np.asarray(c.images).tobytes() + np.asarray(c.labels).tobytes() + split).hexdigest()[:16]
     assert c.fingerprint == h
     assert len(c.split_indices("val")) == 1 and len(c.split_indices("train")) == 3
     keys = {"id", "index", "split", "image", "label", "image_sha256", "label_sha256", "original_shape",
@@ -145,6 +146,30 @@ def test_run_preprocess_is_deterministic(tmp_path):
     first = preprocess.run_preprocess(params, root)
     second = preprocess.run_preprocess(params, root)
     assert first == second
+
+
+def test_fingerprint_changes_with_the_split(tmp_path):
+    """data.seed and data.val_subjects change which volumes train and which validate, not one voxel: the
+    data fingerprint (voxdiff.data_fingerprint, the MLflow dataset digest) must change with them."""
+    from voxdiff.data.sources import split_subjects
+
+    root = tmp_path / "repo"
+    ids = write_dataset(root / "data" / "mine", n=4)
+    prepare.run_prepare(user_params("mine"), root)
+    seeds = [0, next(s for s in range(1, 20) if split_subjects(ids, 1, s) != split_subjects(ids, 1, 0))]
+    runs = {}
+    for name, overrides in [("seed0", {"data.seed": seeds[0]}), ("seed0 again", {"data.seed": seeds[0]}),
+                            (f"seed{seeds[1]}", {"data.seed": seeds[1]}),
+                            ("2 val", {"data.seed": seeds[0], "data.val_subjects": 2})]:
+        manifest = preprocess.run_preprocess(user_params("mine", **overrides), root)
+        c = cache.open_cache(root / "data" / "processed")
+        runs[name] = (manifest["fingerprint"], np.asarray(c.images).copy(), [s["split"] for s in c.subjects])
+    fps = [fp for fp, _, _ in runs.values()]
+    assert fps[0] == fps[1]  # the same params: the same fingerprint
+    assert len(set(fps[1:])) == 3, runs.keys()  # another split: another fingerprint
+    for _, images, _ in runs.values():
+        np.testing.assert_array_equal(images, runs["seed0"][1])  # ... though no voxel changed
+    assert len({tuple(split) for _, _, split in runs.values()}) == 3
 
 
 @pytest.mark.parametrize("seed", [0, 1])

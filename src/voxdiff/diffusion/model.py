@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from monai.inferers import DiffusionInferer
 from monai.networks.nets import DiffusionModelUNet
-from monai.networks.schedulers import DDIMScheduler, DDPMScheduler
+from monai.networks.schedulers import DDPMScheduler
 
 from voxdiff.params import Diffusion, Model
 
@@ -59,17 +59,6 @@ def build_scheduler(diffusion: Diffusion) -> DDPMScheduler:
         prediction_type=diffusion.prediction,
         clip_sample=True,
     )
-
-
-def build_ddim(diffusion: Diffusion, sampling_steps: int) -> DDIMScheduler:
-    ddim = DDIMScheduler(
-        num_train_timesteps=diffusion.timesteps,
-        schedule=diffusion.schedule,
-        prediction_type=diffusion.prediction,
-        clip_sample=True,
-    )
-    ddim.set_timesteps(min(sampling_steps, diffusion.timesteps))
-    return ddim
 
 
 def build_inferer(scheduler) -> DiffusionInferer:

@@ -2,7 +2,8 @@
 
 Two samplers, both through MONAI's DiffusionInferer.sample in "concat" mode (noisy image + one-hot label
 map, as in training):
-  ddim       DDIMScheduler, eta 0 (deterministic given the initial noise), `steps` strided steps
+  ddim       ScheduleDDIM (MONAI's DDIMScheduler, each step moving to the next scheduled timestep), eta 0
+             (deterministic given the initial noise), `steps` steps from T-1 down to 0
   ancestral  DDPMScheduler, the full chain of diffusion.timesteps stochastic steps
 
 Seeding: volume k of subject s starts from noise drawn by a torch.Generator seeded from (seed, s, k);
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from typing import Sequence
 
@@ -61,6 +63,26 @@ def check_training_checkpoint(state: dict, source="checkpoint") -> None:
         raw = state.get("params")
         if not isinstance(raw, dict) or not isinstance(raw.get(section), dict):
             raise VoxdiffError(f"{source}: not a voxdiff training checkpoint (no params.{section} stored in it)")
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def checkpoint_runtime(state: dict, device, fallback: str = "auto", source="checkpoint"):
+    """A Runtime whose autocast is the training's precision, for sampling with a checkpoint.
+
+    The network's numbers depend on it (bf16 autocast gives other volumes than fp32), so `voxdiff sample`
+    must use what `evaluate` uses: the precision training resolved (the checkpoint's precision_resolved),
+    else `fallback` (params.yaml's train.precision, checked already) resolved on `device`, as evaluate
+    resolves it."""
+    from voxdiff.training.distributed import Runtime, pick_precision
+
+    device = torch.device(device)
+    resolved = state.get("precision_resolved") or fallback
+    if resolved not in PRECISIONS + ("auto",):
+        raise VoxdiffError(f"{source}: precision_resolved {resolved!r} is not one of {', '.join(PRECISIONS)}; "
+                           "not a usable voxdiff checkpoint")
+    return Runtime(device, 0, 1, pick_precision(resolved, device), False)
 
 
 def checkpoint_label_values(state: dict, source="checkpoint") -> list[int]:
@@ -125,11 +147,77 @@ def as_one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     return one_hot(labels, num_classes)
 
 
+@functools.cache  # one class; MONAI is imported when a sampler is built, as the network is
+def _schedule_ddim():
+    from monai.networks.schedulers import DDIMScheduler
+
+    class ScheduleDDIM(DDIMScheduler):
+        """MONAI's DDIMScheduler whose step goes from timesteps[i] to timesteps[i + 1], the last one to the
+        clean image (final_alpha_cumprod).
+
+        MONAI 1.6.1 places the timesteps by linspace(T - 1, 0, n).round() (PR Project-MONAI/MONAI#8623, the
+        fix of issue #8600) but its step() still moves to t - T // n, the rule of the evenly spaced timesteps
+        that PR replaced: when T // n is not the spacing, the image handed to the network at timesteps[i + 1]
+        was made for another noise level (T = 250, 50 steps: 4 of 49 transitions, e.g. 219 -> 214 while the
+        next evaluation is at 213; T = 1000/50: 19 of 49; T = 50, 7 steps: all 6). We found no MONAI issue
+        about it; diffusers has the same mismatch for its "linspace" spacing (huggingface/diffusers#12633), and
+        its DDPMScheduler.previous_timestep takes the next entry of the list, as this does. We keep MONAI's
+        placement rather than the old "leading" range(0, T, T // n): that one starts at 980 of 1000 (for 50
+        steps), not at T - 1 where the initial noise is; MONAI's change was made for exactly that.
+        """
+
+        def set_timesteps(self, num_inference_steps: int, device=None) -> None:
+            super().set_timesteps(num_inference_steps, device)
+            ts = [int(t) for t in self.timesteps]
+            self.previous = dict(zip(ts, ts[1:] + [-1]))  # -1: the clean image
+
+        def previous_timestep(self, timestep) -> int:
+            t = int(timestep)
+            if t not in self.previous:
+                raise ValueError(f"timestep {t} is not one of the {len(self.previous)} scheduled DDIM timesteps")
+            return self.previous[t]
+
+        def step(self, model_output, timestep, sample, eta: float = 0.0, generator=None):
+            """MONAI's DDIMScheduler.step (formulas 12 and 16 of the DDIM paper) with prev = the next
+            scheduled timestep; MONAI's step has no argument for it, so its body is restated here."""
+            prev = self.previous_timestep(timestep)
+            a_t = self.alphas_cumprod[int(timestep)]
+            a_prev = self.alphas_cumprod[prev] if prev >= 0 else self.final_alpha_cumprod
+            if self.prediction_type == "epsilon":
+                x0 = (sample - (1 - a_t) ** 0.5 * model_output) / a_t ** 0.5
+                eps = model_output
+            elif self.prediction_type == "sample":
+                x0 = model_output
+                eps = (sample - a_t ** 0.5 * x0) / (1 - a_t) ** 0.5
+            else:  # v_prediction
+                x0 = a_t ** 0.5 * sample - (1 - a_t) ** 0.5 * model_output
+                eps = a_t ** 0.5 * model_output + (1 - a_t) ** 0.5 * sample
+            if self.clip_sample:
+                x0 = torch.clamp(x0, *self.clip_sample_values)
+            std = eta * self._get_variance(int(timestep), prev) ** 0.5
+            prev_sample = a_prev ** 0.5 * x0 + (1 - a_prev - std ** 2) ** 0.5 * eps
+            if eta > 0:
+                noise = torch.randn(model_output.shape, dtype=model_output.dtype, generator=generator,
+                                    device=model_output.device)
+                prev_sample = prev_sample + std * noise
+            return prev_sample, x0
+
+    return ScheduleDDIM
+
+
+def ddim_scheduler(diffusion: Diffusion, steps: int):
+    """The DDIM scheduler of the samplers (see ScheduleDDIM), `steps` capped at diffusion.timesteps."""
+    ddim = _schedule_ddim()(num_train_timesteps=diffusion.timesteps, schedule=diffusion.schedule,
+                            prediction_type=diffusion.prediction, clip_sample=True)
+    ddim.set_timesteps(min(steps, diffusion.timesteps))
+    return ddim
+
+
 def make_scheduler(diffusion: Diffusion, sampler: str, steps: int):
-    from voxdiff.diffusion.model import build_ddim, build_scheduler
+    from voxdiff.diffusion.model import build_scheduler
 
     if sampler == "ddim":
-        return build_ddim(diffusion, steps)  # eta 0: DDIMScheduler.step's default, and the inferer's
+        return ddim_scheduler(diffusion, steps)  # eta 0: DDIMScheduler.step's default, and the inferer's
     if sampler == "ancestral":
         return build_scheduler(diffusion)  # timesteps = the full training chain
     raise VoxdiffError(f"sampler must be one of {', '.join(SAMPLERS)}, not {sampler!r}")

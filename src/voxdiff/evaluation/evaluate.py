@@ -380,7 +380,7 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     for key in ("samples", "metrics", "plots"):
         _writable(out[key])
 
-    from voxdiff.training.distributed import Runtime, pick_device, pick_precision
+    from voxdiff.training.distributed import pick_device
 
     device = pick_device(params.train.device)
     net, _, diff_p = sampling.load_ema_network(state, device, source=out["checkpoint"], num_classes=cache.num_classes)
@@ -392,7 +392,8 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     # 1. The convergence signal of training, recomputed for the weights being evaluated.
     from voxdiff.diffusion.model import build_inferer, build_scheduler
 
-    rt = Runtime(device, 0, 1, pick_precision(params.train.precision, device), False)
+    # The training's resolved precision (as `voxdiff sample` uses): auto may resolve otherwise here.
+    rt = sampling.checkpoint_runtime(state, device, params.train.precision, out["checkpoint"])
     draws = objective.val_draws(params.train.val_seed, len(val_rows), params.train.val_draws, diff_p.timesteps,
                                 (1, *shape))
     scheduler = build_scheduler(diff_p)

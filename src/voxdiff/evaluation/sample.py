@@ -1,9 +1,12 @@
 """`voxdiff sample`: generate an MRI volume for your own label map with a trained checkpoint.
 
 The label map goes through training's preprocessing (reorientation to RAS, nearest-neighbour
-resampling to the checkpoint's preprocess.spacing, crop/pad to preprocess.shape around the labelled
-region, label values -> class indices with the checkpoint's label_values); the generated volume is
-mapped back onto the label map's own grid (its affine and shape) and written as NIfTI.
+resampling to the checkpoint's preprocess.spacing, crop/pad to preprocess.shape by training's grid rule,
+place_grid, centred on the labelled region: training centred on labels and image foreground together,
+and a label map alone has only its labels, so labels much smaller than the grid get a warning; label
+values -> class indices with the checkpoint's label_values); the network runs at the training's
+precision, as in `evaluate`; the generated volume is mapped back onto the label map's own grid (its
+affine and shape) and written as NIfTI.
 """
 
 from __future__ import annotations
@@ -24,24 +27,27 @@ def _nifti_suffix(path: Path) -> bool:
 
 
 def _settings(params_path: Path | None):
-    """(default steps, default seed, device request) from params.yaml: the given file, else the project's
-    params.yaml when there is one, else built-in defaults. The network, diffusion schedule, preprocessing
-    and label values always come from the checkpoint."""
+    """(default steps, default seed, device request, precision request) from params.yaml: the given file,
+    else the project's params.yaml when there is one, else built-in defaults. The network, diffusion
+    schedule, preprocessing and label values always come from the checkpoint, and so does the precision
+    when it says which one training resolved."""
     from voxdiff.fsutil import repo_root
     from voxdiff.params import load
 
     if params_path is None:
         candidate = repo_root() / "params.yaml"
         if not candidate.is_file():
-            return DEFAULT_STEPS, 0, "auto"
+            return DEFAULT_STEPS, 0, "auto", "auto"
         params_path = candidate
     p = load(params_path)
-    return p.evaluate.sampling_steps, p.seed, p.train.device
+    return p.evaluate.sampling_steps, p.seed, p.train.device, p.train.precision
 
 
 def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = None, seed: int | None = None,
                      sampler: str = "ddim", params_path=None, progress: bool = True) -> dict:
-    """Generate for one label map and write `out_path`; returns a summary (seconds, shapes, steps)."""
+    """Generate for one label map and write `out_path`; returns a summary (seconds, shapes, steps, warnings).
+
+    Every input (output name, checkpoint, label map, network) is checked before anything is written."""
     import nibabel as nib
     import numpy as np
     import torch
@@ -64,15 +70,10 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     if sampler == "ancestral" and steps is not None:
         raise VoxdiffError("--steps is for --sampler ddim; the ancestral sampler always runs all "
                            "diffusion.timesteps steps of the checkpoint")
-    default_steps, default_seed, device_request = _settings(Path(params_path) if params_path else None)
+    settings = _settings(Path(params_path) if params_path else None)
+    default_steps, default_seed, device_request, precision_request = settings
     steps = default_steps if steps is None else steps
     seed = default_seed if seed is None else seed
-    try:  # fail now, not after the sampling
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise VoxdiffError(f"{out_path}: cannot create its folder ({e.strerror or type(e).__name__})") from None
-    if not os.access(out_path.parent, os.W_OK):
-        raise VoxdiffError(f"{out_path}: the folder is not writable")
 
     state = checkpoint.load(checkpoint_path)
     label_values = sampling.checkpoint_label_values(state, checkpoint_path)
@@ -82,21 +83,24 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
                            f"{list(prep.shape)}; not a usable voxdiff checkpoint")
     # preprocess_label reads data.label_values and the preprocess section: the checkpoint's, not params.yaml's.
     view = SimpleNamespace(data=SimpleNamespace(label_values=label_values), preprocess=prep)
-    classes, processed_affine, provenance = preprocess_label(label_path, view)
+    classes, placement, provenance = preprocess_label(label_path, view)
     device = pick_device(device_request)
+    rt = sampling.checkpoint_runtime(state, device, precision_request, checkpoint_path)  # evaluate's precision
     net, _, diffusion = sampling.load_ema_network(state, device, source=checkpoint_path, num_classes=len(label_values))
+    try:  # the inputs are good: now the output folder, still before the sampling (minutes)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise VoxdiffError(f"{out_path}: cannot create its folder ({e.strerror or type(e).__name__})") from None
+    if not os.access(out_path.parent, os.W_OK):
+        raise VoxdiffError(f"{out_path}: the folder is not writable")
 
     record: list[dict] = []
     labels = torch.from_numpy(np.asarray(classes, np.int64))[None]
     generated = sampling.generate(net, diffusion, labels, len(label_values), steps, seed, sampler,
-                                  progress=progress, record=record)[0, 0].numpy()
+                                  progress=progress, record=record, autocast=rt.autocast)[0, 0].numpy()
 
     original = nifti.open_header(label_path)  # the grid to return to (checked already, header only)
-    volume = to_original_grid(generated, processed_affine, original, order=1, cval=-1.0).astype(np.float32)
-    # The processed grid (preprocess.shape x spacing) may not hold the whole labelled region: say so.
-    covered = to_original_grid(np.ones(classes.shape, np.uint8), processed_affine, original, order=0) > 0
-    labelled = np.asarray(original.dataobj).reshape(original.shape[:3]) != label_values[0]
-    cropped = float((labelled & ~covered).sum() / max(1, labelled.sum()))
+    volume = to_original_grid(generated, placement.affine, original, order=1, cval=-1.0).astype(np.float32)
     img = nib.Nifti1Image(volume, original.affine)
     img.header.set_xyzt_units("mm", "sec")
     try:
@@ -104,9 +108,13 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
             nib.save(img, tmp)
     except OSError as e:
         raise VoxdiffError(f"{out_path}: cannot write ({e.strerror or type(e).__name__})") from None
+    # The same crop measure as training's (place_grid), and the one thing a label map alone cannot match.
+    crop = placement.crop_warning("labelled voxels")
+    warnings = [w for w in (crop and f"{crop}; they are -1 in the output", placement.small_warning()) if w]
     return {"out": str(out_path), "shape": list(volume.shape), "orientation": provenance["original_orientation"],
             "sampler": sampler, "steps": record[0]["steps"], "seed": seed, "seconds": record[0]["seconds"],
-            "peak_memory_mb": record[0]["peak_memory_mb"], "device": str(device), "cropped_fraction": cropped}
+            "peak_memory_mb": record[0]["peak_memory_mb"], "device": str(device), "precision": rt.precision,
+            "cropped_fraction": placement.cropped_fraction, "warnings": warnings}
 
 
 @click.command("sample")
@@ -122,17 +130,18 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
 @click.option("--sampler", type=click.Choice(["ddim", "ancestral"]), default="ddim", show_default=True,
               help="ddim (fast) or the full ancestral DDPM chain (diffusion.timesteps steps); both are seeded.")
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default=None,
-              help="params.yaml for the defaults above and train.device (default: the project's, if any).")
+              help="params.yaml for the defaults above, train.device and train.precision (used when the checkpoint "
+                   "does not record the precision training resolved; default: the project's params.yaml, if any).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 def sample_command(checkpoint_path, label_path, out_path, steps, seed, sampler, params_path, progress):
     """Generate an MRI volume for LABEL with a trained checkpoint and write it to OUT on the label
-    map's own grid. The model, noise schedule, preprocessing and label values come from the checkpoint."""
+    map's own grid. The model, noise schedule, preprocessing and label values come from the checkpoint,
+    and so does the precision (as in evaluate) when the checkpoint records it."""
     t0 = time.perf_counter()
     interactive = sys.stderr.isatty() if progress is None else progress
     s = sample_label_map(checkpoint_path, label_path, out_path, steps, seed, sampler, params_path, interactive)
-    if s["cropped_fraction"] > 0:
-        click.echo(f"warning: {label_path}: {100 * s['cropped_fraction']:.1f}% of the labelled voxels lie outside the "
-                   "checkpoint's preprocess.shape x spacing field of view; they are -1 in the output", err=True)
+    for warning in s["warnings"]:
+        click.echo(f"warning: {label_path}: {warning}", err=True)
     click.echo(f"[voxdiff sample] wrote {s['out']} ({'x'.join(map(str, s['shape']))}, {s['orientation']} grid of "
-               f"{label_path}); {s['sampler']} {s['steps']} steps, seed {s['seed']}, {s['seconds']:.1f} s sampling "
-               f"on {s['device']}, {time.perf_counter() - t0:.1f} s in all", err=True)
+               f"{label_path}); {s['sampler']} {s['steps']} steps, seed {s['seed']}, {s['precision']}, "
+               f"{s['seconds']:.1f} s sampling on {s['device']}, {time.perf_counter() - t0:.1f} s in all", err=True)
