@@ -25,20 +25,21 @@ NOISY = {1: [0.100, 0.130, 0.110], 2: [0.080, 0.090, 0.070], 4: [0.150]}
 GNS_LAST = {2: [12.0, 13.0, 14.0], 4: [12.0, 13.0, 14.0]}  # by seed index
 
 
-def val_curve(k: int, floor: float) -> list[tuple[int, float]]:
+def val_curve(k: int, floor: float, tau: float = 40) -> list[tuple[int, float]]:
     """(optimizer step, val loss): decays per sample seen, slower for larger effective batch."""
-    return [(s // (k * MICRO), floor + 0.9 * math.exp(-s / (40 * k)))
+    return [(s // (k * MICRO), floor + 0.9 * math.exp(-s / (tau * k)))
             for s in range(VAL_EVERY_SAMPLES, SAMPLES + 1, VAL_EVERY_SAMPLES)]
 
 
-def log_training_run(client, exp_id, k, seed, floor=None, gns_last=None, finish=True, evals=None, buckets=None):
+def log_training_run(client, exp_id, k, seed, floor=None, gns_last=None, finish=True, evals=None, buckets=None,
+                     start_time=None, extra_params=None, tau=40):
     """A finished (or running) training run; `buckets` {"gns_t0": [early, middle, late], ...} logs the
     per-bucket noise scale at the end of each third of the budget."""
     tags = {"voxdiff.kind": "train", "voxdiff.dvc_exp_name": f"exp-k{k}-s{seed}", "voxdiff.device": "cpu"}
-    rid = client.create_run(exp_id, tags=tags).info.run_id
+    rid = client.create_run(exp_id, start_time=start_time, tags=tags).info.run_id
     params = {"seed": seed, "train.accumulate_every": k, "train.batch_size": MICRO, "train.lr": 2e-4,
               "train.lr_scaling": "none", "train.max_samples": SAMPLES, "effective_batch_size": k * MICRO,
-              "effective_lr": 2e-4, "world_size": 1}
+              "effective_lr": 2e-4, "world_size": 1, **(extra_params or {})}
     steps = SAMPLES // (k * MICRO)
     metrics = []
     for step in range(1, steps + 1):
@@ -50,7 +51,7 @@ def log_training_run(client, exp_id, k, seed, floor=None, gns_last=None, finish=
             metrics.append(Metric("gns", gns_last, step, step))
     for name, values in (buckets or {}).items():
         metrics += [Metric(name, v, 0, (i + 1) * steps // 3) for i, v in enumerate(values)]
-    curve = val_curve(k, floor) if floor is not None else []
+    curve = val_curve(k, floor, tau) if floor is not None else []
     metrics += [Metric("val_loss", v, step, step) for step, v in curve]
     final = {"total_steps": steps, "total_samples": SAMPLES, "total_wall_time": steps * k * 0.5}
     if curve:
@@ -383,3 +384,156 @@ def test_post_hoc_ema_section_compares_settings_at_their_best_ema_length(tmp_pat
     assert "Lowest val loss at the best post-hoc EMA: **train.accumulate_every=1**" in report
     assert "best post-hoc val loss" in report and "clearly higher than train.accumulate_every=1" in report
     assert "train.phema_sigma_rels" not in report
+
+
+# --- re-runs, the plateau verdict, the measured critical batch ---------------------------------------
+def test_reruns_of_an_identical_configuration_are_not_seeds(tmp_path):
+    """The same seed-0 configuration trained three times per side (DVC never restores `train` from its run
+    cache, so a second sweep trains again): one run per side is kept, the newest, so nothing is "clearly
+    different" (zero spread on both sides used to give p = 0); the report names the runs it left out, from
+    the MLflow store and from an archive of it alike. Params that do not shape training (where the run is
+    logged, what is evaluated, the device asked for, the checkpoint cadence) do not make a re-run a seed."""
+    from voxdiff.report.loading import open_client, write_archive
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("reruns", artifact_location=(tmp_path / "art").as_uri())
+    ignored = [{}, {"mlflow.experiment": "other", "evaluate.sampling_steps": 10},
+               {"train.device": "cuda", "train.checkpoint_every": 7}]
+    ids = {}
+    for k, floor in ((1, 0.10), (2, 0.11)):
+        for start, extra in zip((3_000, 1_000, 2_000), ignored):  # the first created is the newest
+            ids[(k, start)] = log_training_run(client, exp, k, 0, floor, start_time=start + k, extra_params=extra)
+    dropped = sorted(ids[(k, s)] for k in (1, 2) for s in (1_000, 2_000))
+    for result in (compare_runs(uri, "reruns", tmp_path / "store.md", log=False),
+                   compare_runs(None, None, tmp_path / "archive.md", log=False,
+                                runs_dir=tmp_path / "runs" if write_archive(open_client(uri), "reruns", None, uri,
+                                                                            tmp_path / "runs") else None)):
+        assert [(g.key, g.run_ids) for g in result.groups] == [("1", [ids[(1, 3_000)]]), ("2", [ids[(2, 3_000)]])]
+        report = result.report_path.read_text()
+        assert "clearly" not in report.split("## Reading")[1].split("\"Clearly\" means")[0]
+        line = next(l for l in report.splitlines() if l.startswith("- train.accumulate_every=2: final val loss"))
+        assert "unreplicated" in line
+        note = next(m for m in result.messages if "re-runs of an identical configuration" in m)
+        assert note.startswith("left out 4 re-runs of an identical configuration: run ids ")
+        assert sorted(i for i in ids.values() if i in note) == dropped and f"- {note}" in report
+        assert not any(i in report.split("## Runs")[1] for i in dropped)
+
+
+def test_a_different_seed_lr_or_data_is_not_a_rerun():
+    import numpy as np
+
+    from voxdiff.report.loading import RunData
+    from voxdiff.report.statistics import drop_reruns, reruns_note
+
+    def run(rid, start, params=None, tags=None):
+        return RunData(rid, {"seed": "0", "train.lr": "0.001", "train.phema_sigma_rels": "[0.05]", **(params or {})},
+                       tags or {}, {}, *(np.array([1.0]),) * 4, np.array([]), np.array([]), 0.0, start_time=start)
+
+    runs = [run("a", 1), run("b", 2, {"seed": "1"}), run("c", 3, {"train.lr": "0.002"}),
+            run("d", 4, tags={"voxdiff.data_fingerprint": "other"}), run("e", 5, {"train.phema_sigma_rels": "[0.1]"}),
+            run("f", 6, {"precision_resolved": "bf16"})]
+    kept, dropped = drop_reruns(runs)
+    assert [r.run_id for r in kept] == ["b", "c", "d", "e", "f"] and [r.run_id for r in dropped] == ["a"]
+    assert reruns_note(dropped).startswith("left out 1 re-run of an identical configuration: run ids a ")
+    assert reruns_note([]) is None
+    tie = [run("z", 1), run("y", 1)]  # equal start times: the larger run id stands, whatever the order
+    assert [r.run_id for r in drop_reruns(tie)[0]] == [r.run_id for r in drop_reruns(tie[::-1])[0]] == ["z"]
+
+
+def test_rerun_key_ignores_exactly_what_the_trainer_leaves_out_of_its_fingerprint():
+    """The trainer's measurement-only and operational keys never touch a weight: a run that differs from
+    another only there is a re-run. Every other train key (here the lr) makes another configuration."""
+    import numpy as np
+
+    from voxdiff.report.loading import RunData
+    from voxdiff.report.statistics import training_configuration
+    from voxdiff.training.trainer import MEASUREMENT_KEYS, OPERATIONAL_KEYS
+
+    def config(params):
+        return training_configuration(RunData("r", {"seed": "0", "train.lr": "0.001", **params}, {}, {},
+                                              *(np.array([1.0]),) * 4, np.array([]), np.array([]), 0.0))
+
+    base = config({})
+    for key in (*MEASUREMENT_KEYS, *OPERATIONAL_KEYS):
+        assert config({f"train.{key}": "changed"}) == base, key
+    assert config({"precision_resolved": "bf16"}) != base and config({"train.lr": "0.002"}) != base
+
+
+def test_plateau_verdict_per_run_and_per_setting(tmp_path):
+    """Curves floor + 0.9 exp(-samples / (tau k)): with tau = 10 k = 1 has flattened over the last quarter
+    of its 256 samples (its exponential term is below 1e-8), with tau = 40 k = 2 still falls ~23 %. Each
+    run's change is a least-squares line through its validations in the last quarter of its steps
+    (computed here with numpy, independently of voxdiff.convergence), its verdict "at plateau" above -2 %."""
+    import numpy as np
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("plateau", artifact_location=(tmp_path / "art").as_uri())
+    shape = {1: (10, [0.100, 0.101, 0.102]), 2: (40, [0.110, 0.112, 0.111])}
+    ids = {(k, seed): log_training_run(client, exp, k, seed, f, tau=tau)
+           for k, (tau, floors) in shape.items() for seed, f in enumerate(floors)}
+    report = compare_runs(uri, "plateau", tmp_path / "report.md", log=False).report_path.read_text()
+    head = next(l for l in report.splitlines() if l.startswith("| setting | micro-batch |"))
+    assert head.rstrip(" |").endswith("| last-quarter change | at plateau")
+    for k, (tau, floors) in shape.items():
+        changes = []
+        for f in floors:
+            steps, losses = np.array(val_curve(k, f, tau), float).T
+            window = steps >= 0.75 * steps[-1]
+            slope, intercept = np.polyfit(steps[window], losses[window], 1)
+            changes.append(slope * 0.25 * steps[-1] / (slope * 0.75 * steps[-1] + intercept))
+        at = sum(c > -0.02 for c in changes)
+        assert (at == 3) if k == 1 else (at == 0)
+        row = table_row(report, str(k))
+        pct = [100 * c for c in changes]
+        assert row[-2:] == [f"{statistics.mean(pct):+.1f} ± {statistics.stdev(pct):.1f} %", f"{at}/3"]
+        for seed, c in enumerate(changes):
+            line = next(l for l in report.splitlines() if f"| {ids[(k, seed)]} |" in l)
+            verdict = "yes" if c > -0.02 else "no: still falling"
+            assert line.endswith(f"| {100 * c:+.1f} % | {verdict} |")
+    assert "Still falling at the end of the budget" in report and "train.accumulate_every=2 (3/3 runs" in report
+    assert "train.accumulate_every=1 (" not in report.split("Still falling")[1].split("\n")[0]
+
+
+def critical_runs(stretch, seeds: list[float], batches=(1, 2, 4, 8)):
+    """RunData whose val curve reaches loss L after exactly S = S_min(L) x stretch(B) x seed factor
+    optimizer steps (validated every step): L(step) = f(step / (stretch(B) x factor)) for a decreasing f.
+    stretch(B) = 1 + B_crit / B gives every target the known B_crit."""
+    import numpy as np
+
+    from voxdiff.report.loading import RunData
+
+    f = lambda x: 0.02 + 0.5 * np.exp(-x / 30.0)  # noqa: E731  S_min(L) = -30 ln((L - 0.02) / 0.5)
+    runs = []
+    for b in batches:
+        for i, factor in enumerate(seeds):
+            steps = np.arange(1.0, 1 + 8 * 30 * stretch(b))
+            losses = f(steps / (stretch(b) * factor))
+            runs.append(RunData(f"b{b}-s{i}", {"effective_batch_size": str(b), "seed": str(i)}, {}, {},
+                                steps, losses, steps * b, np.full(len(steps), np.nan), np.array([]), np.array([]),
+                                0.0))
+    return runs
+
+
+def test_critical_batch_section_recovers_a_known_b_crit():
+    from voxdiff.report.rendering import critical_batch_section
+
+    lines = critical_batch_section(critical_runs(lambda b: 1 + 3.0 / b, [0.93, 1.0, 1.06]), b_noise=0.5)
+    assert lines[0] == "## Critical batch (measured)"
+    rows = [line.split(" | ") for line in lines if line.startswith("| 0.")]
+    assert len(rows) == 3 and len({r[0] for r in rows}) == 3  # three distinct targets
+    for row in rows:
+        b_crit = float(row[5].strip("*").split()[0])
+        lo, hi = (float(v) for v in row[6].split("–"))
+        assert b_crit == pytest.approx(3.0, rel=0.10) and lo <= 3.0 <= hi
+    assert "predicts B_crit ≈ 0.5" in "\n".join(lines)
+    plateau_rows = [line for line in lines if line.startswith("| 1 | 3 |") or line.startswith("| 8 | 3 |")]
+    assert len(plateau_rows) == 2
+    # no B dependence of the samples (perfect scaling: steps fall as 1/B): it cannot resolve B_crit
+    perfect = [line for line in critical_batch_section(critical_runs(lambda b: 8 / b, [0.93, 1.0, 1.06]))
+               if line.startswith("| 0.")]
+    assert len(perfect) == 3 and all("unresolved: ∞ (steps fall as 1/B)" in line for line in perfect)
+    assert all(line.split(" | ")[6].endswith("–∞") for line in perfect)
+    two = critical_batch_section(critical_runs(lambda b: 1 + 3.0 / b, [1.0], batches=(1, 2)))
+    assert any("needs 3 at least" in line for line in two)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from voxdiff.convergence import (PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch, plateau_change,
+                                 plateau_level, reached_plateau, target_levels)
 from voxdiff.fsutil import atomic_path
 from voxdiff.report.loading import RunData, as_float
 from voxdiff.report.statistics import (ALPHA, GroupSummary, compare_means, confounders, holm,
@@ -52,6 +54,76 @@ def noise_scale_section(groups: list[GroupSummary], runs: list[RunData], group_b
     return lines, b_noise, k_star
 
 
+CRITICAL_TARGETS = 3       # val-loss levels at which B_crit is fitted
+CRITICAL_BOOTSTRAP = 2000  # bootstrap resamples (runs within each effective batch) per target
+
+
+def critical_batch_section(runs: list[RunData], b_noise: float | None = None) -> list[str]:
+    """B_crit measured from steps-to-target (McCandlish et al. 2018), per target level, with a bootstrap
+    interval over seeds; and each effective batch's plateau value and verdict."""
+    by_batch: dict[float, list[RunData]] = {}
+    for r in runs:
+        b = as_float(r.params.get("effective_batch_size"))
+        if r.has_val and b == b and b > 0:
+            by_batch.setdefault(b, []).append(r)
+    by_batch = dict(sorted(by_batch.items()))
+    lines = ["## Critical batch (measured)", ""]
+    if len(by_batch) < 3:
+        return lines + [f"Runs at {len(by_batch)} effective batch size(s): fitting S = S_min(1 + B_crit/B) and "
+                        "checking it needs 3 at least."]
+    every = [r for rs in by_batch.values() for r in rs]
+    start, reached = min(float(r.val_loss[0]) for r in every), max(float(r.val_loss.min()) for r in every)
+    targets = target_levels(start, reached, CRITICAL_TARGETS)
+    lines += ["Runs grouped by effective batch B. For each target val loss, the optimizer steps S each run took to "
+              "reach it (interpolated between validations) are fitted with S = S_min(1 + B_crit/B), the same "
+              "law as samples E = E_min(1 + B/B_crit) since E = B·S, by least squares on log S: then the S-law "
+              "and the E-law have the same residuals and give one B_crit, and the seeds' spread, roughly "
+              "proportional to S, weighs alike at every B (`voxdiff.convergence`). 95 % interval: percentile "
+              f"bootstrap over seeds ({CRITICAL_BOOTSTRAP} resamples of the runs within each B; with 3 seeds a B "
+              "it is on the narrow side). The targets are spaced geometrically between the lowest first-validation "
+              f"loss ({start:.4g}) and the highest best loss ({reached:.4g}), so every run reaches each of them "
+              "after its first validation and before its budget ends; the lr is the one each run used, not tuned "
+              "per B (Shallue et al. 2019), so B_crit is that of these lrs.", ""]
+    if not targets:
+        return lines + ["Some run never got below another's first validation loss: no target every run reaches "
+                        "after its first validation; not fitted."]
+    head = ["target val loss", *(f"S at B = {b:g}" for b in by_batch), "B_crit", "95 % interval", "S_min", "E_min"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for target in targets:
+        steps = {b: [r.crossing(target, r.val_steps) for r in rs] for b, rs in by_batch.items()}
+        fit = fit_critical_batch([b for b, v in steps.items() for _ in v], [s for v in steps.values() for s in v])
+        ci = bootstrap_critical_batch(steps, n_boot=CRITICAL_BOOTSTRAP, seed=0)
+        if fit.resolved:
+            b_cell, s_cell, e_cell = f"**{fit.b_crit:.3g}**", f"{fit.s_min:.3g}", f"{fit.e_min:.3g}"
+            if not min(by_batch) <= fit.b_crit <= max(by_batch):
+                b_cell += " (outside the B tested: extrapolated)"
+        elif fit.b_crit == math.inf:
+            b_cell, s_cell, e_cell = "unresolved: ∞ (steps fall as 1/B)", "—", f"{fit.e_min:.3g}"
+        else:
+            b_cell, s_cell, e_cell = "unresolved: 0 (steps do not fall with B)", f"{fit.s_min:.3g}", "—"
+        lines.append(f"| {target:.4g} | " + " | ".join(mean_std(v, ".0f") for v in steps.values())
+                     + f" | {b_cell} | {_bound(ci.lo)}–{_bound(ci.hi)} | {s_cell} | {e_cell} |")
+    lines += ["", "McCandlish et al. (2018) find B_crit growing as the loss falls (the rows run from the highest "
+              "target down). Below B_crit, doubling B nearly halves the steps at little cost in samples; above "
+              "it, steps barely fall while samples grow."]
+    if b_noise is not None:
+        lines.append(f"The noise scale measured during training (section above) predicts B_crit ≈ {b_noise:.3g}.")
+    lines += ["", "At the end of the budget, per effective batch: the plateau value (mean val loss of the "
+              "validations in the last quarter of each run's steps; an upper bound where the run is still "
+              "falling) and the last quarter's change and verdict (see the summary).", "",
+              "| effective batch | runs | plateau value | last-quarter change | at plateau |", "|---|---|---|---|---|"]
+    for b, rs in by_batch.items():
+        levels = [v for r in rs if (v := plateau_level(r.val_steps, r.val_loss)) is not None]
+        changes = [c for r in rs if (c := plateau_change(r.val_steps, r.val_loss)) is not None]
+        lines.append(f"| {b:g} | {len(rs)} | {mean_std(levels, '.4g', '.2g')} | {percent_cell(changes)} | "
+                     f"{plateau_count(changes)} |")
+    return lines
+
+
+def _bound(v: float) -> str:
+    return "∞" if v == math.inf else f"{v:.3g}"
+
+
 def _not_measurable(g: GroupSummary) -> str | None:
     k, w = as_float(g.setting["accumulate_every"]), as_float(g.setting["world size"])
     return not_measurable_reason(int(k), int(w) if w == w else 1) if k == k else None
@@ -74,6 +146,12 @@ def reading_section(groups: list[GroupSummary], runs: list[RunData], group_by: s
                      f"({mean_std(fastest.samples_to_target, '.0f')}).")
         lines += _verdicts([(f"{group_by}={g.key}", g.samples_to_target) for g in reached if g is not fastest],
                            f"{group_by}={fastest.key}", fastest.samples_to_target, "samples to target")
+    falling = [g for g in measured if g.plateau and g.at_plateau < len(g.plateau)]
+    if falling:
+        lines.append(f"- Still falling at the end of the budget (last quarter down by {100 * PLATEAU_THRESHOLD:g} % "
+                     "or more) in " + ", ".join(f"{group_by}={g.key} ({len(g.plateau) - g.at_plateau}/{len(g.plateau)} "
+                                                f"runs, {percent_cell(g.plateau)})" for g in falling)
+                     + ": their final val loss is where the budget stopped them, not where they converge.")
     budgets = sorted({r.metrics["total_samples"] for r in runs if r.has_val and "total_samples" in r.metrics})
     if len(budgets) > 1:  # a step budget gives larger effective batches more samples: final losses not comparable
         lines.append(f"- Runs saw different numbers of samples ({budgets[0]:.0f}–{budgets[-1]:.0f}): final val "
@@ -172,25 +250,36 @@ def make_figures(groups: dict[str, list[RunData]], group_by: str, out_path: Path
     return [p for p in paths if p is not None]
 
 
+def percent_cell(changes: list[float]) -> str:
+    """Relative changes as 'mean ± std %' over runs ('—' for none)."""
+    cell = mean_std([100 * c for c in changes], "+.1f", ".1f")
+    return cell if cell == "—" else f"{cell} %"
+
+
+def plateau_count(changes: list[float]) -> str:
+    """'k/n': runs at their plateau out of those whose last quarter could be measured."""
+    return f"{sum(bool(reached_plateau(c)) for c in changes)}/{len(changes)}" if changes else "—"
+
+
 def summary_table(groups: list[GroupSummary], group_by: str) -> list[str]:
     head = ("| setting | micro-batch | accumulate_every | effective batch | lr | seeds | final val loss | steps "
             "to target | samples to target | time to target (s) | total wall time (s) | peak memory (MB) | "
-            "val flattening |")
+            "val flattening | last-quarter change | at plateau |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for g in groups:
         s = g.setting
         stats = (f"{mean_std(g.final_val, '.4g', '.2g')} | {reached_cell(g.steps_to_target, g, '.0f')} | "
                  f"{reached_cell(g.samples_to_target, g, '.0f')} | {reached_cell(g.time_to_target, g, '.1f')} | "
                  f"{mean_std(g.total_wall_time, '.1f')} | {mean_std(g.peak_memory_mb, '.0f')} | "
-                 f"{mean_std(g.flattening, '.2f')}"
-                 if g.n else "no val_loss | — | — | — | — | — | —")
+                 f"{mean_std(g.flattening, '.2f')} | {percent_cell(g.plateau)} | {plateau_count(g.plateau)}"
+                 if g.n else "no val_loss | — | — | — | — | — | — | — | —")
         lines.append(f"| {group_by}={g.key} | {s['micro-batch']} | {s['accumulate_every']} | "
                      f"{s['effective batch']} | {s['lr']} | {g.n} | {stats} |")
     return lines
 
 
 # Sample quality a reader compares across settings, in this order; the rest (per-tissue means,
-# Wasserstein distances, timings) stays in each run's metrics/eval.json and MLflow run.
+# Wasserstein distances, timings) stays in each run's metrics/eval_detail.json and MLflow run.
 EVAL_COLUMNS = (("eval_ssim", "SSIM"), ("eval_ssim_floor_tissue_mean", "SSIM floor: tissue mean"),
                 ("eval_ssim_floor_noise", "SSIM floor: noise"), ("eval_psnr", "PSNR (dB)"),
                 ("eval_psnr_floor_tissue_mean", "PSNR floor: tissue mean"), ("eval_mae", "MAE"),
@@ -257,20 +346,23 @@ def posthoc_table(groups: list[GroupSummary], group_by: str) -> list[str]:
 
 
 def runs_table(groups: dict[str, list[RunData]], group_by: str) -> list[str]:
-    lines = ["## Runs", "", "| setting | run id | seed | DVC experiment | final val loss |",
-             "|---|---|---|---|---|"]
+    lines = ["## Runs", "", "| setting | run id | seed | DVC experiment | final val loss | last-quarter change "
+             "| at plateau |", "|---|---|---|---|---|---|---|"]
     for key, runs in groups.items():
         for r in runs:
             final = f"{r.final_val_loss:.4g}" if r.has_val else "no val_loss"
+            change = plateau_change(r.val_steps, r.val_loss) if r.has_val else None
+            verdict = {None: "—", True: "yes", False: "no: still falling"}[reached_plateau(change)]
             lines.append(f"| {group_by}={key} | {r.run_id} | {r.params.get('seed', '?')} | "
-                         f"{r.tags.get('voxdiff.dvc_exp_name', '')} | {final} |")
+                         f"{r.tags.get('voxdiff.dvc_exp_name', '')} | {final} | "
+                         f"{'—' if change is None else f'{100 * change:+.1f} %'} | {verdict} |")
     return lines
 
 
 def render_report(*, experiment: str, source: str, group_by: str, filter_string: str | None,
                   groups: list[GroupSummary], by_key: dict[str, list[RunData]], runs: list[RunData],
                   target: float | None, target_given: bool, figures: list[Path], messages: list[str],
-                  noise_lines: list[str], reading_lines: list[str]) -> str:
+                  noise_lines: list[str], reading_lines: list[str], critical_lines: list[str] = ()) -> str:
     where = f", filter `{filter_string}`" if filter_string else ""
     lines = [f"# How `{group_by}` changes convergence", "",
              f"Experiment `{experiment}`{where}: {len(runs)} finished training run(s) in {len(groups)} group(s).",
@@ -286,17 +378,24 @@ def render_report(*, experiment: str, source: str, group_by: str, filter_string:
                else "the highest of the runs' best val losses, a level every run reached")
         lines.append(f"Target val loss **{target:.4g}** ({how}). Steps/samples/time to target: where the val "
                      "curve first reaches it, interpolated between validations, mean ± std over the runs that "
-                     "reached it (k/n when not all did). Val flattening: the last quarter's val-loss gain over "
-                     "the first quarter's (near 0: the run has reached its plateau).")
+                     "reached it (k/n when not all did). Last-quarter change: the relative change of a "
+                     "least-squares line through the validations in the last quarter of the run's optimizer steps "
+                     "(slope × window / the line's value at its start; mean ± std over seeds); a run is **at "
+                     f"plateau** when that line fell by less than {100 * PLATEAU_THRESHOLD:g} % (k/n runs). Val "
+                     "flattening, the older criterion (the last quarter's val-loss gain over the first quarter's), "
+                     "is kept for reference: it can pass runs that still fall 10 % per quarter.")
     lines += ["", *summary_table(groups, group_by), "", *eval_table(groups, group_by),
               *posthoc_table(groups, group_by), *noise_lines]
     lines += ["", *(f"![{p.stem}]({p.name})" for p in figures if "gns" in p.name)]
+    if critical_lines:
+        lines += ["", *critical_lines]
     lines += ["", *reading_lines, "", *runs_table(by_key, group_by), ""]
     return "\n".join(lines)
 
 
-def messages_for(groups: list[GroupSummary], runs: list[RunData], group_by: str, unfinished: str | None) -> list[str]:
-    msgs = [unfinished] if unfinished else []
+def messages_for(groups: list[GroupSummary], runs: list[RunData], group_by: str, unfinished: str | None,
+                 reruns: str | None = None) -> list[str]:
+    msgs = [m for m in (unfinished, reruns) if m]
     for g in groups:
         if g.missing_val:
             which = "its" if len(g.missing_val) == len(g.run_ids) else f"{len(g.missing_val)} of its"

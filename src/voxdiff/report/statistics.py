@@ -8,14 +8,26 @@ from collections import Counter
 
 import numpy as np
 
+from voxdiff.convergence import plateau_change, reached_plateau
 from voxdiff.report.loading import RunData, as_float
-
 
 
 EXPECTED_TO_VARY = {"seed", "effective_batch_size", "effective_lr",  # derived from the effective batch by train.lr_scaling
                     "effective_adam_beta1", "effective_adam_beta2", "effective_adam_eps"}
 # Params that change what is measured about a run, not its training trajectory: not confounders.
 MEASUREMENT_ONLY_PREFIXES = ("train.phema_",)
+# Params that do not shape the training trajectory: two runs equal in everything else are the same
+# configuration trained twice (a re-run), not two seeds. Where runs go (mlflow.*), what is evaluated
+# afterwards (evaluate.*), and the trainer's measurement-only and operational keys (training/trainer.py:
+# MEASUREMENT_KEYS, OPERATIONAL_KEYS; tests/test_compare.py checks the two lists agree): validation and
+# noise-scale probes, post-hoc EMA profiles (tracked beside the model, never fed back into it), the
+# checkpoint cadence, the device and the precision asked for (the resolved precision, which does change
+# the numbers, is its own param and stays in).
+NOT_TRAINING_PREFIXES = ("mlflow.", "evaluate.", "train.gns_", *MEASUREMENT_ONLY_PREFIXES)
+NOT_TRAINING_KEYS = {"train.val_every_samples", "train.val_draws", "train.val_seed", "train.checkpoint_every",
+                     "train.device", "device_resolved", "train.precision", "train.fp16_max_skipped_steps"}
+# A tag that names what was trained on: the same params on other data are another configuration.
+TRAINING_TAGS = ("voxdiff.data_fingerprint",)
 
 
 @dataclasses.dataclass
@@ -36,10 +48,46 @@ class GroupSummary:
     flattening: list[float]           # val_flattening per run (last quarter's val gain / first quarter's)
     eval: dict[str, list[float]]
     posthoc: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # phema_* and ema_sigma_rel
+    plateau: list[float] = dataclasses.field(default_factory=list)  # last-quarter relative change per run
 
     @property
     def n(self) -> int:
         return len(self.final_val)
+
+    @property
+    def at_plateau(self) -> int:
+        """Runs whose last quarter fell by less than PLATEAU_THRESHOLD (voxdiff.convergence)."""
+        return sum(bool(reached_plateau(c)) for c in self.plateau)
+
+
+def training_configuration(run: RunData) -> tuple:
+    """What determines a run's training trajectory: every param (seed included) except those that do
+    not shape training, and the data fingerprint."""
+    params = tuple(sorted((k, v) for k, v in run.params.items()
+                          if not k.startswith(NOT_TRAINING_PREFIXES) and k not in NOT_TRAINING_KEYS))
+    return params + tuple((k, run.tags.get(k)) for k in TRAINING_TAGS if k in run.tags)
+
+
+def drop_reruns(runs: list[RunData]) -> tuple[list[RunData], list[RunData]]:
+    """(kept, dropped): of the runs with an identical training configuration (the same seed trained
+    again: DVC never restores `train` from its run cache), only the newest (start time, then run id)
+    is kept; the others would count as extra seeds. Kept runs stay in their order."""
+    newest: dict[tuple, RunData] = {}
+    for r in runs:
+        key = training_configuration(r)
+        if key not in newest or (r.start_time, r.run_id) > (newest[key].start_time, newest[key].run_id):
+            newest[key] = r
+    kept_ids = {r.run_id for r in newest.values()}
+    return [r for r in runs if r.run_id in kept_ids], [r for r in runs if r.run_id not in kept_ids]
+
+
+def reruns_note(dropped: list[RunData]) -> str | None:
+    if not dropped:
+        return None
+    n = len(dropped)
+    return (f"left out {n} re-run{'s' if n != 1 else ''} of an identical configuration: run ids "
+            f"{', '.join(r.run_id for r in dropped)} (the same params and seed as a newer run, which is kept: "
+            "training the same configuration again is not another seed)")
 
 
 def group_runs(runs: list[RunData], group_by: str) -> dict[str, list[RunData]]:
@@ -77,6 +125,7 @@ def summarize_group(key: str, runs: list[RunData], target: float | None) -> Grou
         peak_memory_mb=[r.peak_memory_mb for r in with_val if not math.isnan(r.peak_memory_mb)],
         gns=[float(r.gns[-1]) for r in with_val if len(r.gns)],
         flattening=[r.metrics["val_flattening"] for r in with_val if "val_flattening" in r.metrics],
+        plateau=[c for r in with_val if (c := plateau_change(r.val_steps, r.val_loss)) is not None],
         eval={k: [r.metrics[k] for r in with_val if k in r.metrics] for k in evals},
         posthoc=posthoc_metrics(with_val),
     )

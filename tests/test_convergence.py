@@ -1,0 +1,142 @@
+"""voxdiff.convergence against problems whose answer is known: the plateau criterion and the measured
+critical batch (McCandlish et al. 2018)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from voxdiff.convergence import (PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch, plateau_change,
+                                 plateau_level, reached_plateau, target_levels)
+
+# The study's cadence: 24 validations, the last at the end of the run (7 of them in the last quarter).
+STEPS = np.arange(1, 25) * 64.0
+
+
+def curve(last_quarter_change: float, noise: float = 0.0, rng=None, level: float = 0.05) -> np.ndarray:
+    """A val curve that falls fast over the first three quarters (from 4x its level) and then changes by
+    exactly `last_quarter_change` (relative, linear in steps) over the last quarter; multiplicative
+    validation noise of relative std `noise`."""
+    start = 0.75 * STEPS[-1]
+    decay = lambda s: np.exp(-s / 150.0)  # noqa: E731
+    early = level * (1 + 3 * (decay(STEPS) - decay(start)) / (decay(STEPS[0]) - decay(start)))
+    late = level * (1 + last_quarter_change * (STEPS - start) / (STEPS[-1] - start))
+    y = np.where(STEPS < start, early, late)
+    if noise:
+        y = y * np.exp(rng.normal(0.0, noise, len(y)))
+    return y
+
+
+def old_flattening(losses: np.ndarray) -> float:
+    """val_flattening, the criterion plateau_change replaces: last quarter's gain / first quarter's."""
+    at = lambda s: float(np.interp(s, STEPS, losses))  # noqa: E731
+    return (at(0.75 * STEPS[-1]) - losses[-1]) / (losses[0] - at(STEPS[-1] / 4))
+
+
+def test_plateau_change_reads_a_known_relative_change_exactly():
+    for truth in (-0.10, -0.03, 0.0, 0.05):
+        assert plateau_change(STEPS, curve(truth)) == pytest.approx(truth, abs=1e-12)
+    # the window follows `fraction`: the last half holds the 3/4 point where the slope changes
+    assert plateau_change(STEPS, curve(-0.10), fraction=0.5) < -0.10
+
+
+def test_plateau_flags_a_curve_still_falling_and_passes_a_flat_one_under_validation_noise():
+    """1 % validation noise (the study's runs scatter 0.4-2 % around their last-quarter line, typically
+    1 %; the change then has a standard error of about 1.1 %): a curve still falling 10 % over its last
+    quarter is flagged on every draw, a flat one passes on ~96 % of draws, and the estimate is unbiased.
+    The old val_flattening passes the falling curve (its first quarter fell much more), which is why it
+    did not discriminate."""
+    rng = np.random.default_rng(0)
+    falling = [plateau_change(STEPS, curve(-0.10, 0.01, rng)) for _ in range(400)]
+    flat = [plateau_change(STEPS, curve(0.0, 0.01, rng)) for _ in range(400)]
+    assert np.mean(falling) == pytest.approx(-0.10, abs=0.003)
+    assert np.mean(flat) == pytest.approx(0.0, abs=0.003)
+    assert sum(reached_plateau(c) is False for c in falling) == 400
+    assert sum(reached_plateau(c) is True for c in flat) >= 0.90 * 400
+    assert np.std(flat) == pytest.approx(0.011, abs=0.002)
+    assert old_flattening(curve(-0.10)) < 0.1  # "plateaued" by the old rule, still falling 10 %
+    one = np.random.default_rng(1)
+    assert reached_plateau(plateau_change(STEPS, curve(-0.10, 0.01, one))) is False
+    assert reached_plateau(plateau_change(STEPS, curve(0.0, 0.01, one))) is True
+
+
+def test_plateau_threshold_and_none_when_too_short():
+    assert PLATEAU_THRESHOLD == 0.02
+    assert reached_plateau(-0.019) is True and reached_plateau(-0.021) is False and reached_plateau(0.3) is True
+    assert reached_plateau(None) is None
+    # 2 validations in the last quarter: no line worth fitting
+    assert plateau_change([10.0, 20.0, 30.0, 40.0], [4.0, 3.0, 2.0, 1.0]) is None
+    assert plateau_change([], []) is None and plateau_change([5.0], [1.0]) is None
+    assert plateau_change(np.arange(1, 13.0), np.linspace(1.0, 0.5, 12)) is not None  # 4 in the window
+    with pytest.raises(ValueError):
+        plateau_change([1.0, 2.0], [1.0])
+    assert plateau_level(STEPS, curve(0.0)) == pytest.approx(0.05)
+    assert plateau_level([], []) is None
+
+
+B = np.array([1.0, 2.0, 4.0, 8.0, 16.0])
+
+
+def test_fit_recovers_a_known_critical_batch_without_noise():
+    for b_crit, s_min in ((3.0, 50.0), (0.5, 120.0), (40.0, 10.0), (1.3, 64.0)):
+        fit = fit_critical_batch(B, s_min * (1 + b_crit / B))
+        assert fit.resolved
+        assert fit.b_crit == pytest.approx(b_crit, rel=1e-3) and fit.s_min == pytest.approx(s_min, rel=1e-3)
+        assert fit.e_min == pytest.approx(s_min * b_crit, rel=1e-3)
+        # the E-law is the same law: steps derived from samples E = E_min (1 + B / B_crit) give the same fit
+        e = s_min * b_crit * (1 + B / b_crit)
+        assert fit_critical_batch(B, e / B).b_crit == pytest.approx(b_crit, rel=1e-3)
+
+
+def seed_steps(rng, b_crit=3.0, s_min=50.0, seeds=5, noise=0.05) -> dict[int, list[float]]:
+    """Steps-to-target per batch and seed: the law times multiplicative seed noise (lognormal)."""
+    return {int(b): list(s_min * (1 + b_crit / b) * np.exp(rng.normal(0, noise, seeds))) for b in B}
+
+
+def test_fit_recovers_b_crit_under_seed_noise_and_the_bootstrap_interval_covers_it():
+    per_batch = seed_steps(np.random.default_rng(7))
+    b_crit, lo, hi = bootstrap_critical_batch(per_batch, n_boot=2000, seed=0)
+    assert b_crit == pytest.approx(3.0, rel=0.10)
+    assert lo < 3.0 < hi and hi / lo < 3
+    assert bootstrap_critical_batch(per_batch, n_boot=2000, seed=0) == (b_crit, lo, hi)  # reproducible
+    # calibration over independent studies: within 10 % and covered by the 95 % interval most of the time
+    rng = np.random.default_rng(11)
+    results = [bootstrap_critical_batch(seed_steps(rng), n_boot=500, seed=i) for i in range(40)]
+    assert np.mean([abs(r.b_crit / 3.0 - 1) < 0.10 for r in results]) >= 0.85
+    assert np.mean([r.lo <= 3.0 <= r.hi for r in results]) >= 0.80
+
+
+def test_negative_control_without_batch_dependence_is_unresolved():
+    """Samples-to-target that do not depend on B (perfect scaling, S = E / B): B_crit far above every
+    batch tested or unresolved (inf), and the interval open upwards. Steps that do not depend on B:
+    B_crit below every batch tested (or 0), the interval reaching 0."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        perfect = {int(b): list(1000.0 / b * np.exp(rng.normal(0, 0.1, 3))) for b in B}
+        fit = fit_critical_batch(np.repeat(B, 3), np.concatenate(list(perfect.values())))
+        assert not fit.resolved or fit.b_crit > 4 * B.max()
+        flat = {int(b): list(100.0 * np.exp(rng.normal(0, 0.1, 3))) for b in B}
+        fit = fit_critical_batch(np.repeat(B, 3), np.concatenate(list(flat.values())))
+        assert not fit.resolved or fit.b_crit < B.min() / 2
+    exact = fit_critical_batch(B, 1000.0 / B)
+    assert exact.b_crit == math.inf and not exact.resolved and exact.e_min == pytest.approx(1000.0)
+    assert fit_critical_batch(B, np.full(len(B), 70.0)).b_crit == 0.0
+    _, _, hi = bootstrap_critical_batch({int(b): [1000.0 / b * f for f in (0.9, 1.0, 1.1)] for b in B}, n_boot=500)
+    assert hi == math.inf
+    _, lo, _ = bootstrap_critical_batch({int(b): [100.0 * f for f in (0.9, 1.0, 1.1)] for b in B}, n_boot=500)
+    assert lo == 0.0
+
+
+def test_fit_rejects_what_it_cannot_fit():
+    with pytest.raises(ValueError, match="two batch sizes"):
+        fit_critical_batch([4, 4, 4], [10, 11, 12])
+    with pytest.raises(ValueError, match="positive"):
+        fit_critical_batch([1, 2], [10, 0])
+    with pytest.raises(ValueError):
+        fit_critical_batch([1, 2, 4], [10, 8])
+
+
+def test_target_levels_lie_strictly_inside_and_geometrically_spaced():
+    levels = target_levels(0.16, 0.01, 3)
+    assert levels == pytest.approx([0.08, 0.04, 0.02])
+    assert target_levels(0.05, 0.06) == [] and target_levels(0.05, 0.0) == []
