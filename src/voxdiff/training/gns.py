@@ -5,6 +5,11 @@ gradient (B_small) and the accumulated window gradient (B_big). Since E|G_B|^2 =
 the pair gives unbiased estimates of |G|^2 and tr(Sigma). Each is smoothed with its own EMA and the
 noise scale is the ratio of the EMAs: the mean of per-step ratios is badly biased, because the per-step
 |G|^2 estimate is very noisy and often near zero or negative.
+
+The probe (probe_noise_scale, run by Trainer.bucket_noise_scale every train.gns_buckets_every_samples)
+measures B_simple at the current weights from single-sample gradients on fixed draws, per timestep bucket
+and marginally over timesteps, each with a confidence interval (jackknife + Fieller), in two passes that
+keep at most two gradient copies alive (two_pass_estimate).
 """
 
 from __future__ import annotations
@@ -122,7 +127,8 @@ def balanced_accumulate_every(b_noise: float, micro_batch: int, world_size: int 
 
 # --- noise scale per timestep bucket ---------------------------------------------------------------
 def b_simple_from_gram(gram) -> tuple[float, float, float]:
-    """(B_simple, tr(Sigma), |G|^2) from the Gram matrix of n single-sample gradients g_i.
+    """(B_simple, tr(Sigma), |G|^2) from the Gram matrix of n single-sample gradients g_i (the reference
+    for tests; the trainer's probe streams, see two_pass_estimate: a Gram matrix needs every gradient kept).
 
     Unbiased: |G|^2 = mean over i != j of <g_i, g_j> (independent samples), tr(Sigma) = mean |g_i|^2 - |G|^2.
     B_simple is NaN when the |G|^2 estimate is not positive (the gradient is lost in the noise).
@@ -140,8 +146,9 @@ def b_simple_from_gram(gram) -> tuple[float, float, float]:
 
 
 def jackknife_se(gram) -> float:
-    """Jackknife standard error of B_simple over the n samples (leave one out): the spread that
-    comes with each per-bucket value. NaN when any leave-one-out estimate is undefined."""
+    """Jackknife standard error of B_simple over the n samples (leave one out), from the full Gram
+    matrix: the reference the streaming probe (estimate_from_moments) is checked against. NaN when any
+    leave-one-out estimate is undefined."""
     import numpy as np
 
     gram = np.asarray(gram, np.float64)
@@ -159,3 +166,163 @@ def bucket_edges(timesteps: int, buckets: int) -> list[tuple[int, int]]:
     """[lo, hi) timestep ranges of equal width; bucket 0 holds the least noisy timesteps."""
     cuts = [round(i * timesteps / buckets) for i in range(buckets + 1)]
     return [(cuts[i], cuts[i + 1]) for i in range(buckets)]
+
+
+# --- the single-sample probe: B_simple with a confidence interval, in bounded memory -----------------
+# probe_draws "bucket" tag of the marginal probe's draws: its own stream, apart from buckets 0..gns_buckets-1.
+MARGINAL_STREAM = 0x3A46
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeEstimate:
+    """B_simple = tr(Sigma)/|G|^2 from n single-sample gradients, with a `level` confidence interval.
+
+    grad_sq is the U-statistic mean_{i != j} g_i.g_j and trace the sample variance summed over
+    parameters: both unbiased. Their jackknife covariance gives a Fieller interval for the ratio
+    (exact for a ratio of normal estimates; it is bounded only when |G|^2 is resolved).
+
+    resolved: |G|^2's interval lies above 0. Otherwise the gradient is lost in the noise at this n:
+    value and hi are None (B may be infinite) and lo is a lower bound on B (0.0 when even that is
+    uninformative), never a number to plot as B.
+    """
+    n: int                      # finite single-sample gradients used
+    dropped: int                # gradients with inf/NaN, left out
+    level: float
+    grad_sq: float | None = None
+    grad_sq_se: float | None = None
+    trace: float | None = None
+    value: float | None = None  # B_simple, only when resolved
+    lo: float | None = None     # lower end of the interval (a lower bound when not resolved)
+    hi: float | None = None     # upper end; None = unbounded (not resolved)
+    se: float | None = None     # delta-method SE of B from the jackknife covariance, only when resolved
+
+    @property
+    def resolved(self) -> bool:
+        return self.value is not None
+
+    def record(self, prefix: str) -> dict:
+        """History keys of one probe group: prefix (B), prefix_lo/_hi, _grad_sq, _trace, _se, _dropped."""
+        return {prefix: self.value, f"{prefix}_lo": self.lo, f"{prefix}_hi": self.hi,
+                f"{prefix}_grad_sq": self.grad_sq, f"{prefix}_trace": self.trace, f"{prefix}_se": self.se,
+                f"{prefix}_dropped": self.dropped}
+
+
+def estimate_from_moments(q, d, s_sq: float, level: float = 0.9, dropped: int = 0) -> ProbeEstimate:
+    """ProbeEstimate from the scalars the two-pass probe keeps: q_i = |g_i|^2, d_i = g_i.S and
+    s_sq = |S|^2, with S = sum_i g_i. Nothing else is needed, the jackknife included:
+      |G|^2 = (|S|^2 - sum q) / (n (n-1)),   tr(Sigma) = (sum q - |S|^2 / n) / (n - 1),
+    and leaving sample i out gives |S - g_i|^2 = |S|^2 - 2 d_i + q_i exactly.
+    """
+    import numpy as np
+    from scipy import stats
+
+    q, d = np.asarray(q, np.float64), np.asarray(d, np.float64)
+    n = len(q)
+    if n < 3 or not (np.isfinite(q).all() and np.isfinite(d).all() and math.isfinite(s_sq)):
+        return ProbeEstimate(n, dropped, level)
+    total_q = float(q.sum())
+    grad_sq = (s_sq - total_q) / (n * (n - 1))
+    trace = (total_q - s_sq / n) / (n - 1)
+    m = n - 1  # leave-one-out
+    q_out, s_out = total_q - q, s_sq - 2.0 * d + q
+    loo = np.stack([(q_out - s_out / m) / (m - 1), (s_out - q_out) / (m * (m - 1))])  # rows: trace, |G|^2
+    dev = loo - loo.mean(axis=1, keepdims=True)
+    cov = (n - 1) / n * (dev @ dev.T)
+    v_tt, v_tu, v_uu = float(cov[0, 0]), float(cov[0, 1]), float(cov[1, 1])
+    z = float(stats.t.ppf(0.5 + level / 2.0, n - 1))
+    lo, hi, resolved = fieller(trace, grad_sq, v_tt, v_tu, v_uu, z)
+    out = dict(grad_sq=grad_sq, grad_sq_se=math.sqrt(v_uu), trace=trace, lo=lo, hi=hi)
+    if resolved:
+        value = trace / grad_sq
+        rel = v_tt / trace ** 2 - 2.0 * v_tu / (trace * grad_sq) + v_uu / grad_sq ** 2 if trace != 0 else math.nan
+        out.update(value=value, se=abs(value) * math.sqrt(max(rel, 0.0)) if math.isfinite(rel) else None)
+    return ProbeEstimate(n, dropped, level, **out)
+
+
+def fieller(t: float, u: float, v_tt: float, v_tu: float, v_uu: float, z: float) -> tuple[float, float | None, bool]:
+    """Interval for R = t/u: {R : (t - R u)^2 <= z^2 Var(t - R u)} (Fieller 1954), with B >= 0.
+
+    Returns (lo, hi, resolved). Resolved when u - z se(u) > 0: then the set is a bounded interval.
+    Otherwise |G|^2 cannot be told from 0, the set is unbounded above and lo is its lower end on
+    B > 0 (0.0 when the set reaches down to 0): a lower bound on B, hi None.
+    """
+    a = u * u - z * z * v_uu
+    b = -2.0 * (t * u - z * z * v_tu)
+    c = t * t - z * z * v_tt
+    disc = b * b - 4.0 * a * c
+    if u > 0 and a > 0:  # |G|^2 resolved: f(t/u) <= 0, so the roots are real
+        r = math.sqrt(max(disc, 0.0))
+        return max((-b - r) / (2.0 * a), 0.0), max((-b + r) / (2.0 * a), 0.0), True
+    if a < 0 and disc > 0:  # unbounded set (-inf, r1] u [r2, inf)
+        r1, r2 = sorted(((-b - math.sqrt(disc)) / (2.0 * a), (-b + math.sqrt(disc)) / (2.0 * a)))
+        if r1 <= 0.0 < r2:
+            return r2, None, False
+    return 0.0, None, False
+
+
+def _dot(a, b):
+    """sum over tensors of <a_k, b_k>, accumulated in float64 (a device scalar: no host read).
+    Temporaries are per tensor (the largest parameter), never a flat copy of the whole gradient."""
+    import torch
+
+    return torch.stack([torch.sum(x * y, dtype=torch.float64) for x, y in zip(a, b)]).sum()
+
+
+def two_pass_estimate(gradient, count: int, level: float = 0.9) -> ProbeEstimate:
+    """ProbeEstimate from `count` single-sample gradients, gradient(i) -> list of tensors (one per
+    parameter; a fresh result each call, e.g. torch.autograd.grad), called twice per i.
+
+    Memory: pass 1 keeps the running sum S (one float32 copy) and |g_i|^2; pass 2 recomputes each
+    g_i and keeps g_i.S. At any time at most two gradient-sized sets of tensors are alive (S and the
+    current g_i), plus per-tensor temporaries; no stack, flat copy or float64 copy of the gradients.
+    Cost: 2 x count forward+backward passes, one host read per gradient (its finiteness) and one at the end.
+    """
+    import torch
+
+    total, q, keep = None, [], []
+    for i in range(count):
+        g = gradient(i)
+        qi = _dot(g, g)
+        if not math.isfinite(float(qi)):
+            continue  # inf/NaN gradient (e.g. an fp16 overflow): left out of both passes
+        keep.append(i)
+        q.append(qi)
+        if total is None:
+            total = [x.detach().float().clone() for x in g]
+        else:
+            torch._foreach_add_(total, [x.float() for x in g])
+        del g
+    if len(keep) < 3:
+        return ProbeEstimate(len(keep), count - len(keep), level)
+    d = []
+    for i in keep:
+        g = gradient(i)
+        d.append(_dot(g, total))
+        del g
+    s_sq = _dot(total, total)
+    del total
+    host = torch.stack(q + d + [s_sq]).cpu().tolist()
+    n = len(keep)
+    return estimate_from_moments(host[:n], host[n:2 * n], host[-1], level, count - n)
+
+
+def probe_noise_scale(gradient_of, seed: int, timesteps: int, buckets: int, bucket_samples: int,
+                      marginal_samples: int, n_subjects: int, shape: tuple[int, ...], level: float = 0.9) -> dict:
+    """The noise-scale probe's history keys: per timestep bucket (gns_t{b}, timesteps uniform in the
+    bucket, bucket_samples draws) and marginal over timesteps (gns_marginal: timesteps uniform over
+    [0, timesteps) as in training, marginal_samples draws; 0 = off), each with _lo/_hi (the `level`
+    interval; see ProbeEstimate for the unresolved case), _grad_sq, _trace, _se and _dropped.
+
+    gradient_of(subject position, timestep, noise) -> one sample's loss gradient, one tensor per
+    parameter. Draws are fixed per seed (objective.probe_draws), so probes are comparable over training.
+    """
+    from voxdiff.diffusion.objective import probe_draws
+
+    groups = [(f"gns_t{b}", b, lo, hi, bucket_samples) for b, (lo, hi) in enumerate(bucket_edges(timesteps, buckets))]
+    if marginal_samples:
+        groups.append(("gns_marginal", MARGINAL_STREAM, 0, timesteps, marginal_samples))
+    out = {}
+    for prefix, stream, lo, hi, count in groups:
+        draws = probe_draws(seed, stream, lo, hi, count, n_subjects, shape)
+        out.update(two_pass_estimate(lambda i: gradient_of(*draws[i]), len(draws), level).record(prefix))
+    return out
