@@ -237,6 +237,104 @@ def gns(ctx) -> dict:
             "notes": ["Verdict from the probe's own time (timed around GradProbe.record), as for tracking."]}
 
 
+def gns_probe(ctx) -> dict:
+    """The single-sample noise-scale probe (Trainer.bucket_noise_scale -> gns.probe_noise_scale): gradient
+    copies it holds (live tensor bytes at every gradient it asks for, above what was alive at the first
+    one of each group; on CUDA also the allocator's peak) and its time against the demo's training."""
+    import gc
+
+    from voxdiff.training import gns as gns_mod
+
+    def live_bytes() -> int:
+        import warnings
+
+        storages = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # isinstance() on deprecated torch module attributes warns
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+                    st = obj.untyped_storage()
+                    storages[(st.device.type, st.data_ptr())] = st.nbytes()
+        return sum(storages.values())
+
+    grad_bytes = sum(p.numel() * p.element_size() for p in ctx.trainer().net.parameters() if p.requires_grad)
+    held: dict[int, list[int]] = {}  # marginal draw count -> live bytes above the baseline at each gradient request
+    real = gns_mod.two_pass_estimate
+
+    def counting(gradient, count, level):
+        # baseline: what is alive at the group's first gradient request (the weights, this group's draws)
+        rows, base = held.setdefault(marginal, []), []
+
+        def wrapped(i):
+            now = live_bytes()
+            if not base:
+                base.append(now)
+            rows.append(now - base[0])
+            return gradient(i)
+        return real(wrapped, count, level)
+
+    cuda_extra = None
+    small = {"train.gns_buckets": 1, "train.gns_bucket_samples": 3}  # the held memory does not depend on counts
+    for marginal in (3, 9):
+        trainer = ctx.trainer(overrides={**small, "train.gns_probe_samples": marginal})
+        gc.collect()
+        gns_mod.two_pass_estimate = counting
+        try:
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+                torch.cuda.reset_peak_memory_stats(ctx.device)
+                start = torch.cuda.memory_allocated(ctx.device)
+            trainer.bucket_noise_scale()
+            if ctx.device.type == "cuda":
+                probe_peak = torch.cuda.max_memory_allocated(ctx.device) - start
+        finally:
+            gns_mod.two_pass_estimate = real
+        if ctx.device.type == "cuda" and cuda_extra is None:  # against one single-sample gradient, kept alive
+            params = [q for q in trainer.net.parameters() if q.requires_grad]
+            s, t, noise = trainer.val_set[0]
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+            start = torch.cuda.memory_allocated(ctx.device)
+            g = torch.autograd.grad(trainer.losses(trainer.net, *trainer.on_device([s], [t], [noise])).sum(), params)
+            one_peak = torch.cuda.max_memory_allocated(ctx.device) - start
+            del g
+            cuda_extra = (probe_peak - one_peak) / grad_bytes
+    copies = {n: max(rows) / grad_bytes for n, rows in held.items()}
+    worst = max(copies.values())
+    # Time: a probe is its 2 x draws single-sample gradients (the dot products are small beside them), so
+    # time a small uninstrumented one and scale per gradient to the params' counts (a full one is minutes on a CPU).
+    trainer = ctx.trainer(overrides={**small, "train.gns_probe_samples": 3})
+    per_grad = med([timed(trainer.bucket_noise_scale, ctx.device) for _ in range(2)]) / (2 * (3 + 3))
+    step_s = med([timed(trainer.train_step, ctx.device) for _ in range(3)][1:])
+    t = ctx.base.train
+    n_grad = 2 * (t.gns_buckets * t.gns_bucket_samples + t.gns_probe_samples)
+    probe_s = per_grad * n_grad
+    steps = max(t.max_samples / trainer.budget.effective_batch, 1)
+    every = t.gns_buckets_every_samples  # each multiple crossed, and the end (once when it is a multiple)
+    probes = (t.max_samples // every + (1 if t.max_samples % every else 0)) if every else 0
+    old_copies = 5 * t.gns_bucket_samples  # list of N flat fp32 + float64 stack (2N) + its finite-row copy (2N)
+    rows = [{"what": f"peak copies alive at a gradient request ({len(rs)} requests; marginal {n} draws, bucket 3)",
+             "copies": copies[n]} for n, rs in held.items()]
+    rows += [{"what": f"one gradient copy ({grad_bytes / 2**20:.1f} MB)", "MB": grad_bytes / 2**20},
+             {"what": "one single-sample gradient inside the probe", "ms": per_grad * 1e3},
+             {"what": f"probe at the params ({n_grad} single-sample gradients, scaled)", "ms": probe_s * 1e3},
+             {"what": "training step", "ms": step_s * 1e3}]
+    goals = [goal("gradient copies the probe holds (peak, incl. the one being computed)", worst + 1, "<=", 2.05,
+                  why=f"{worst:.2f} copies alive when a gradient was requested, by draw count: {copies}"),
+             info("probe time against the demo's training", 100 * probes * probe_s / (steps * step_s), unit="%",
+                  note=f"{probes} probes of {probe_s:.1f} s ({n_grad} gradients of {per_grad * 1e3:.0f} ms) against "
+                       f"{steps:.0f} steps of {step_s:.2f} s"),
+             info("gradient copies before (Gram design, per bucket of gns_bucket_samples)", float(old_copies))]
+    if cuda_extra is not None:
+        goals.append(info("CUDA peak above one single-sample gradient, in gradient copies", cuda_extra))
+    return {"goals": goals, "rows": rows,
+            "notes": ["Copies = bytes of live tensor storages (gc scan) above those alive at the group's first gradient "
+                      "request, in units of the trainable parameters' bytes, taken each time the probe asks for a "
+                      "gradient: the running sum S (pass 1 and 2), nothing that grows with the draw count. Per-tensor "
+                      "temporaries of the dot products are below one parameter tensor each and are not counted.",
+                      f"Before: the Gram design held N flat fp32 gradients, their float64 stack and its finite-row "
+                      f"copy: about 5 N copies (N = {t.gns_bucket_samples}: {old_copies}; N = 32: 160)."]}
+
+
 # --- 6 -------------------------------------------------------------------------------------------
 def sampling(ctx) -> dict:
     """DDIM (ddim_steps) against the full ancestral sampler: time per volume and SSIM to the real volume."""
@@ -486,7 +584,7 @@ def phema(ctx) -> dict:
             return buf.tell() / 2**20
 
         with_mb, without_mb = ckpt_mb(trainer), ckpt_mb(bare)
-        per_profile = round(t.max_samples / t.phema_snapshot_every_samples)  # a demo run's worth: reconstruction reads them all
+        per_profile = t.phema_snapshots  # a demo run's worth: reconstruction reads them all (once)
         for _ in range(per_profile - 1):
             trainer.train_step()
             trainer.phema.snapshot()
@@ -494,13 +592,13 @@ def phema(ctx) -> dict:
         trainer.posthoc_val_losses()
         reconstruct_s = time.perf_counter() - t0
     step, update = med(times["off"]), med(spent[1:] or spent)
-    steps_per_snapshot = t.phema_snapshot_every_samples / trainer.budget.effective_batch
+    steps_per_snapshot = t.max_samples / t.phema_snapshots / trainer.budget.effective_batch
     run_steps = t.max_samples / trainer.budget.effective_batch
     n_lengths = len(t.phema_eval_sigma_rels)
     return {"goals": [goal("profile updates per step", 100 * update / step, "<", 3, unit="%",
                            why=f"ProfileTracker.update took {update * 1e3:.1f} ms per step of {step:.2f} s "
                                f"({len(t.phema_sigma_rels)} profiles)"),
-                      goal(f"snapshots (one every {t.phema_snapshot_every_samples} samples)",
+                      goal(f"snapshots ({t.phema_snapshots} per profile per run)",
                            100 * snap / (steps_per_snapshot * step), "<", 1, unit="%",
                            why=f"one snapshot took {snap * 1e3:.0f} ms, every {steps_per_snapshot:g} steps of {step:.2f} s"),
                       info(f"reconstruction + val loss at {n_lengths} lengths, against the demo's training",
@@ -517,10 +615,15 @@ def phema(ctx) -> dict:
                      {"what": "checkpoint without post-hoc EMA", "MB": without_mb},
                      {"what": "checkpoint with its profiles", "MB": with_mb}],
             "notes": ["Verdicts from the tracker's own time (timed around ProfileTracker.update and snapshot), "
-                      "as for tracking and the noise-scale probe; the reconstruction re-reads every snapshot "
-                      "for each length (ema-pytorch's synthesize_ema_model)."]}
+                      "as for tracking and the noise-scale probe; the reconstruction reads each (fp16) snapshot "
+                      "once for all lengths."]}
 
 
 BENCHMARKS = {"memory": memory, "accumulation": accumulation, "data": data, "tracking": tracking, "gns": gns,
+              "gns_probe": gns_probe,
               "sampling": sampling, "growth": growth, "medddpm": medddpm, "speed": speed,
               "phema": phema}
+
+from advise_bench import advise  # noqa: E402  (benchmark 11, in its own file: voxdiff advise against the grid)
+
+BENCHMARKS["advise"] = advise
