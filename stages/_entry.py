@@ -1,16 +1,44 @@
-"""Shared by stages/*.py: run `voxdiff <stage>` from this checkout's own src/.
+"""Shared by stages/*.py: run one stage from this checkout's own src/.
 
 DVC queue runs execute in a temporary copy of the repo; putting that copy's src/ first on sys.path
 makes the stage run the committed code it was queued with, not an editable install elsewhere.
+
+dvc.yaml runs `python3` from PATH. When that interpreter lacks the project's dependencies (the venv was
+not activated: `.venv/bin/dvc exp run ...` as the demo prints it), the stage re-runs itself with the
+project's .venv interpreter, or says in one line what to do when there is none.
 """
 
+from __future__ import annotations  # `Path | None` below must not fail on an older python3 from PATH
+
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def _venv_python() -> Path | None:
+    for base in (ROOT, Path(os.environ["DVC_ROOT"]) if os.environ.get("DVC_ROOT") else None):
+        if base is not None and (base / ".venv" / "bin" / "python").is_file():
+            return base / ".venv" / "bin" / "python"
+    return None
+
+
+def _ensure_dependencies() -> None:
+    try:
+        import monai  # noqa: F401  (imports torch too)
+    except ModuleNotFoundError as e:
+        venv = _venv_python()
+        if venv is not None and Path(sys.prefix).resolve() != venv.parents[1].resolve() and not os.environ.get("VOXDIFF_REEXEC"):
+            os.environ["VOXDIFF_REEXEC"] = "1"  # once: a broken venv must not loop
+            os.execv(str(venv), [str(venv), *sys.argv])
+        sys.exit(f"error: {sys.executable} has no module {e.name!r}: run `make demo` (creates .venv) and "
+                 f"`source .venv/bin/activate`, then rerun")
 
 
 def run(stage: str) -> None:
-    from voxdiff.cli import stage_main
+    _ensure_dependencies()
+    from voxdiff.entry import run_stage
 
-    stage_main(stage)
+    run_stage(stage)

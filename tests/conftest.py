@@ -33,6 +33,8 @@ TINY = {
     "train.val_every_samples": 2,
     "train.val_draws": 2,
     "train.checkpoint_every": 2,
+    "train.gns_probe_samples": 4,   # the probe's cost in every tiny run: 2 x (4 buckets x 3 + 4) gradients
+    "train.gns_bucket_samples": 3,
     "evaluate.sampling_steps": 5,
     "evaluate.samples_per_condition": 1,
     "evaluate.subjects": 1,

@@ -90,8 +90,12 @@ def test_evaluate_writes_outputs_and_separates_trained_from_untrained(project, t
     root, params, summary = project
     m = run_evaluate(params, root, progress=False)
 
-    # metrics/eval.json holds what was returned; the EMA val loss is training's, recomputed.
-    assert json.loads((root / "metrics" / "eval.json").read_text()) == m
+    # metrics/eval_detail.json holds what was returned, eval.json (the DVC metrics) a few figures of it;
+    # the EMA val loss is training's, recomputed.
+    assert json.loads((root / "metrics" / "eval_detail.json").read_text()) == m
+    compact = json.loads((root / "metrics" / "eval.json").read_text())
+    assert compact == {"ssim": m["eval_ssim"], "ssim_floor": max(m["eval_ssim_floor_noise"], m["eval_ssim_floor_tissue_mean"]),
+                       "diversity": m["eval_msssim_samples"]}  # no diversity_ref: not the built-in data
     assert m["eval_val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-6)
     for key in ("eval_ssim", "eval_psnr", "eval_mae", "eval_msssim_samples", "eval_msssim_real",
                 "eval_contrast_order_ok", "eval_w1_label0", "eval_w1_label1", "eval_w1_label2",

@@ -3,60 +3,14 @@ module imports itself back through others (import cycles)."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import yaml
 
 from conftest import REPO
+from voxdiff.codehash import TRAINING_MODULE, closure, imports_of, module_file, training_sources
 
 SRC = REPO / "src"
-TRAIN_MODULE = "voxdiff.training.train"  # what stages/train.py runs
-
-
-def module_file(name: str) -> Path | None:
-    """src/ path of dotted module `name` (voxdiff.x.y): x/y.py or x/y/__init__.py."""
-    base = SRC.joinpath(*name.split("."))
-    for f in (base.with_suffix(".py"), base / "__init__.py"):
-        if f.is_file():
-            return f
-    return None
-
-
-def imports_of(name: str) -> set[str]:
-    """voxdiff modules that module `name` imports (at any depth of its code, lazy imports included)."""
-    f = module_file(name)
-    package = name if f.name == "__init__.py" else name.rpartition(".")[0]
-    out = set()
-    for node in ast.walk(ast.parse(f.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1])
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
-            if not target.startswith("voxdiff"):
-                continue
-            for alias in node.names:  # `from . import x` may name a module
-                sub = f"{target}.{alias.name}"
-                out.add(sub if module_file(sub) else target)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("voxdiff"))
-    return {m for m in out if module_file(m) and m != name}
-
-
-def closure(start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        m = todo.pop()
-        if m not in seen:
-            seen.add(m)
-            todo += imports_of(m)
-            parent = m.rpartition(".")[0]
-            if parent:  # importing a.b runs a/__init__.py first
-                todo.append(parent)
-    return seen
 
 
 def all_modules() -> list[str]:
@@ -69,14 +23,24 @@ def test_train_stage_deps_cover_what_training_imports():
     deps = [d for d in stage["deps"] if d.startswith("src/")]
     for d in deps:
         assert (REPO / d).exists(), d
-    needed = {str(module_file(m).relative_to(REPO)) for m in closure(TRAIN_MODULE)}
+    needed = {str(module_file(m).relative_to(REPO)) for m in closure(TRAINING_MODULE) | {"voxdiff.entry"}}
     covered = lambda f: any(f == d or f.startswith(d.rstrip("/") + "/") for d in deps)  # noqa: E731
     assert [f for f in sorted(needed) if not covered(f)] == []
+    # ... and nothing that training does not run: report and evaluation code stay out.
     # ... and nothing that training does not run: report and evaluation code stay out.
     for unrelated in ("src/voxdiff/report/compare.py", "src/voxdiff/evaluation/evaluate.py",
                       "src/voxdiff/diffusion/sampling.py", "src/voxdiff/cli.py"):
         assert not covered(unrelated), unrelated
     assert "mlflow" not in stage["params"]
+    # The stage's entry imports only training (the CLI, with compare and sample, stays out of the run).
+    assert "voxdiff.cli" not in closure("voxdiff.entry") | closure(TRAINING_MODULE)
+
+
+def test_training_code_hash_covers_training_but_not_recording():
+    files = {str(f.relative_to(SRC)) for f in training_sources()}
+    assert {"voxdiff/training/trainer.py", "voxdiff/diffusion/objective.py", "voxdiff/training/schedule.py",
+            "voxdiff/params.py"} <= files
+    assert not any(f.startswith(("voxdiff/tracking/", "voxdiff/report/")) for f in files)
 
 
 def test_no_import_cycles():

@@ -154,8 +154,33 @@ def test_lr_scaling_and_warmup():
     for rule, factor in (("none", 1.0), ("linear", 4.0), ("sqrt", 2.0)):
         t = make_params({**base, "train.lr_scaling": rule}).train
         assert scaled_lr(t, 8) == pytest.approx(1e-4 * factor)
-        assert lr_at(t, 8, 50) == pytest.approx(0.5e-4 * factor)
-        assert lr_at(t, 8, 500) == pytest.approx(1e-4 * factor)
+        assert lr_at(t, 8, 50, 1000) == pytest.approx(0.5e-4 * factor)
+        assert lr_at(t, 8, 500, 1000) == pytest.approx(1e-4 * factor)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_lr_decays_to_lr_min_over_the_budget_in_samples(schedule):
+    t = make_params({"train.lr": 1.0e-3, "train.lr_min": 1.0e-5, "train.warmup_samples": 100,
+                     "train.lr_schedule": schedule}).train
+    assert lr_at(t, 4, 50, 1100) == pytest.approx(0.5e-3)        # warm-up unchanged
+    assert lr_at(t, 4, 100, 1100) == pytest.approx(1e-3)         # peak right after it
+    assert lr_at(t, 4, 600, 1100) == pytest.approx(0.5 * (1e-3 + 1e-5))  # half way: both shapes at the mean
+    assert lr_at(t, 4, 1100, 1100) == pytest.approx(1e-5)        # lr_min at the end of the budget
+    quarter = lr_at(t, 4, 350, 1100)
+    expected = 1e-5 + (1e-3 - 1e-5) * (0.5 * (1 + math.cos(math.pi / 4)) if schedule == "cosine" else 0.75)
+    assert quarter == pytest.approx(expected)
+    # Counted in samples: the same sample count gets the same LR at every effective batch.
+    assert lr_at(t, 1, 600, 1100) == lr_at(t, 4, 600, 1100)
+    constant = make_params({"train.warmup_samples": 100, "train.lr_schedule": "constant"}).train
+    assert lr_at(constant, 4, 1100, 1100) == pytest.approx(constant.lr)  # negative control
+
+
+def test_logged_lr_reaches_lr_min_at_the_last_step(tiny_root):
+    _, tr = train_weights(tiny_root, {"train.batch_size": 1, "train.accumulate_every": 2, "train.max_steps": 4,
+                                      "train.max_samples": 0, "train.lr_schedule": "linear",
+                                      "train.lr_min": 1.0e-5, "train.lr": 1.0e-3})
+    lrs = [h["lr"] for h in tr.counters.history]
+    assert lrs[-1] == pytest.approx(1e-5) and lrs == sorted(lrs, reverse=True)
 
 
 def test_logged_lr_follows_the_rule(tiny_root):

@@ -19,3 +19,22 @@ class DataError(VoxdiffError):
 
 class TrainingDiverged(VoxdiffError):
     """The loss became NaN or infinite."""
+
+
+def exit_on_user_error(fn, debug: bool):
+    """Call fn(); a VoxdiffError becomes `error: <message>` on stderr and exit 2, Ctrl-C exit 130
+    (tracebacks only with debug). Shared by the CLI and the stage entry points."""
+    import sys
+
+    try:
+        return fn()
+    except VoxdiffError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -13,10 +13,13 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(final: str | os.PathLike, durable: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to ``final``; rename it onto ``final`` only if the block succeeds.
 
-    Works for files and directories alike (whatever the block creates at the yielded path).
+    Works for files and directories alike (whatever the block creates at the yielded path). durable
+    (files): fsync the new file before the rename and the folder after it, so that a power loss or
+    a killed VM leaves either the previous file or the complete new one, never an empty one (the
+    rename alone can reach the disk before the data does).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -24,11 +27,24 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     target = tmp / final.name
     try:
         yield target
+        if durable and target.is_file():
+            fsync_path(target)
         if final.is_dir() and not final.is_symlink():
             shutil.rmtree(final)
         os.replace(target, final)
+        if durable:
+            fsync_path(final.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's or a folder's entries to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json(path: str | os.PathLike, obj) -> None:

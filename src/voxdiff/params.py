@@ -162,10 +162,13 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "adam_eps": number(0.0, lo_open=True),
         "reference_batch": integer(1),
         "warmup_samples": integer(0),
+        "lr_schedule": choice("constant", "cosine", "linear"),
+        "lr_min": number(0.0),
         "grad_clip": number(0.0),
         "ema_halflife_samples": number(0.0, lo_open=True),
         "ema_rampup_ratio": number(0.0),
         "precision": choice("auto", "fp32", "bf16", "fp16"),
+        "fp16_max_skipped_steps": integer(1),
         "device": text(allow_empty=False),
         "val_every_samples": integer(1),
         "val_draws": integer(1),
@@ -175,8 +178,10 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "gns_buckets": integer(1),
         "gns_bucket_samples": integer(3),
         "gns_buckets_every_samples": integer(0),
+        "gns_probe_samples": integer(0),
+        "gns_ci_level": number(0.0, 0.999, lo_open=True),
         "phema_sigma_rels": sigma_rels(2),
-        "phema_snapshot_every_samples": integer(1),
+        "phema_snapshots": integer(1),
         "phema_eval_sigma_rels": sigma_rels(1),
     },
     "evaluate": {
@@ -254,10 +259,13 @@ class Train:
     adam_eps: float
     reference_batch: int
     warmup_samples: int
+    lr_schedule: str
+    lr_min: float
     grad_clip: float
     ema_halflife_samples: float
     ema_rampup_ratio: float
     precision: str
+    fp16_max_skipped_steps: int
     device: str
     val_every_samples: int
     val_draws: int
@@ -267,8 +275,10 @@ class Train:
     gns_buckets: int
     gns_bucket_samples: int
     gns_buckets_every_samples: int
+    gns_probe_samples: int
+    gns_ci_level: float
     phema_sigma_rels: tuple[float, ...]
-    phema_snapshot_every_samples: int
+    phema_snapshots: int
     phema_eval_sigma_rels: tuple[float, ...]
 
 
@@ -370,6 +380,15 @@ def _cross_checks(p: Params) -> None:
     if t.phema_sigma_rels and not t.phema_eval_sigma_rels:
         raise _fail("train.phema_eval_sigma_rels", "at least one EMA length to reconstruct when "
                     "train.phema_sigma_rels is set", [])
+    if p.diffusion.min_snr_gamma > 0 and p.diffusion.loss == "l1":
+        # min(SNR, gamma) makes the three prediction targets equivalent for the squared error only:
+        # with L1 the same x0 error weighs 0.187 / 0.0054 / 0.0054 (sample / epsilon / v) at t = 2.
+        raise ParamsError("params.yaml: diffusion.min_snr_gamma > 0 needs diffusion.loss: l2 (min-SNR weighting "
+                          f"is derived for the squared error; with l1 it weighs the targets differently), got "
+                          f"min_snr_gamma={p.diffusion.min_snr_gamma:g} with loss l1")
+    if t.lr_schedule != "constant" and t.lr_min > t.lr:
+        raise ParamsError(f"params.yaml: train.lr_min ({t.lr_min:g}) must not exceed train.lr ({t.lr:g}) "
+                          f"for lr_schedule {t.lr_schedule}")
     if any(not 0 <= b < 1 for b in t.adam_betas):
         raise _fail("train.adam_betas", "two numbers in [0, 1)", list(t.adam_betas))
     down = 2 ** (len(m.channels) - 1)

@@ -94,8 +94,10 @@ def per_sample_loss(net, inferer, scheduler, images, labels, noise, timesteps, n
 
 def min_snr_weight(scheduler, timesteps: torch.Tensor, prediction: str, gamma: float) -> torch.Tensor:
     """Min-SNR-gamma loss weight (Hang et al., ICCV 2023), written for each prediction target so that all
-    three equal the x0 loss weighted by min(SNR, gamma): epsilon min(SNR, g)/SNR, sample min(SNR, g),
-    v min(SNR, g)/(SNR + 1). It stops the easy low-noise steps from dominating the gradient."""
+    three equal the x0 *squared* error weighted by min(SNR, gamma): epsilon min(SNR, g)/SNR, sample
+    min(SNR, g), v min(SNR, g)/(SNR + 1). It stops the easy low-noise steps from dominating the gradient.
+    The equivalence needs the squared error (the targets' errors differ by factors of sqrt(SNR)), so
+    params.py refuses min_snr_gamma > 0 with the L1 loss."""
     abar = scheduler.alphas_cumprod.to(timesteps.device)[timesteps].double()
     snr = abar / (1 - abar)
     clipped = torch.clamp(snr, max=gamma)
@@ -107,7 +109,8 @@ def min_snr_weight(scheduler, timesteps: torch.Tensor, prediction: str, gamma: f
 def validation_loss(net, inferer, scheduler, cache, val_rows, draws, diffusion_params, device,
                     autocast, chunk: int = 4) -> float:
     """Mean loss over fixed validation draws (see val_draws): the convergence signal shared by
-    training (EMA weights, every val_every steps) and evaluation."""
+    training (EMA weights, each time samples seen crosses a multiple of train.val_every_samples) and
+    evaluation."""
     net.eval()
     total = 0.0
     for i in range(0, len(draws), chunk):

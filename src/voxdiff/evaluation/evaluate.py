@@ -3,12 +3,13 @@
 Outputs (all written whole or not at all):
   samples/<id>_s<k>.nii.gz   generated volumes on the subject's processed grid (DDIM), [-1, 1]
   samples/<id>_a0.nii.gz     with evaluate.ancestral: the full ancestral (DDPM) sampler's volume
-  metrics/eval.json          eval_* metrics (the same names are logged into the training's MLflow run)
+  metrics/eval_detail.json   eval_* metrics (the same names are logged into the training's MLflow run)
+  metrics/eval.json          the DVC metrics: SSIM, its floor, diversity and its reference (tracking/dvc_metrics.py)
   plots/eval/<id>.png        montage: label map, real volume, each sample x axial/coronal/sagittal
 
 Metrics (volumes in the cache's [-1, 1] scale; "brain" = label > 0):
   eval_val_loss            the EMA model's loss on training's fixed validation draws (train.val_seed,
-                           train.val_draws): on the CPU it equals train.json's final_val_loss
+                           train.val_draws): on the CPU it equals train_detail.json's final_val_loss
   eval_ssim / _psnr / _mae fidelity of each sample against its subject's real volume: PSNR and MAE over
                            the brain; SSIM (MONAI's 3D SSIM map) averaged over windows centred in the brain
   eval_<m>_floor_noise     the same metric for two reference predictors on the same subjects: clamped
@@ -62,6 +63,7 @@ from voxdiff.data.cache import ProcessedCache, open_cache
 from voxdiff.errors import VoxdiffError
 from voxdiff.fsutil import atomic_path, sha256_file, write_json
 from voxdiff.params import Params
+from voxdiff.tracking import dvc_metrics
 
 DATA_RANGE = 2.0  # the cache's intensities span [-1, 1]
 MAX_MONTAGE_SAMPLES = 6
@@ -73,10 +75,10 @@ CONTRAST_MIN_FRACTION = 0.2  # see contrast_order
 def paths(root: Path) -> dict[str, Path]:
     return {
         "checkpoint": root / "models" / "checkpoint.pt",
-        "train_metrics": root / "metrics" / "train.json",
         "cache": root / "data" / "processed",
         "samples": root / "samples",
         "metrics": root / "metrics" / "eval.json",
+        "detail": root / "metrics" / "eval_detail.json",
         "plots": root / "plots" / "eval",
     }
 
@@ -366,7 +368,8 @@ def check_compatible(state: dict, cache: ProcessedCache, ckpt_path: Path, rows: 
 
 
 def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
-    """Sample, measure, write samples/, metrics/eval.json, plots/eval/ and log into MLflow; returns the metrics."""
+    """Sample, measure, write samples/, metrics/eval_detail.json and eval.json, plots/eval/ and log into MLflow;
+    returns the metrics (eval_detail.json's)."""
     root = Path(root)
     out = paths(root)
     ev = params.evaluate
@@ -457,14 +460,15 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     write_samples(out["samples"], subjects, cache)
     write_montages(out["plots"], subjects, names)
     with _writing(out["metrics"]):
-        write_json(out["metrics"], metrics)
+        write_json(out["detail"], metrics)
+        write_json(out["metrics"], dvc_metrics.eval_figures(metrics))
     log_to_mlflow(params, root, out, state, metrics)
     say(f"SSIM {_fmt(metrics['eval_ssim'], 3)} (floors: noise {_fmt(metrics['eval_ssim_floor_noise'], 3)}, "
         f"tissue-mean {_fmt(metrics['eval_ssim_floor_tissue_mean'], 3)}), PSNR {_fmt(metrics['eval_psnr'], 1)} dB, "
         f"MAE {_fmt(metrics['eval_mae'], 3)}, contrast order {'kept' if metrics['eval_contrast_order_ok'] else 'NOT kept'}, "
         f"diversity MS-SSIM {_fmt(metrics['eval_msssim_samples'], 3)} (the data's own: "
         f"{_fmt(metrics.get('eval_diversity_reference'), 3)}), "
-        f"{metrics['eval_seconds_per_volume']:.2f} s/volume -> {out['metrics']}")
+        f"{metrics['eval_seconds_per_volume']:.2f} s/volume -> {out['detail']}")
     return metrics
 
 
@@ -590,23 +594,23 @@ def montage(path: Path, e: dict, class_names: list[str]) -> None:
 
 
 def log_to_mlflow(params: Params, root: Path, out: dict, state: dict, metrics: dict) -> None:
-    """Into the training's run (id from metrics/train.json, else the checkpoint); problems only warn."""
+    """Into the training's run (id from the checkpoint, else metrics/train_detail.json); problems only warn."""
     from voxdiff.tracking.runs import open_existing
 
-    run_id = ""
-    try:
-        run_id = json.loads(out["train_metrics"].read_text()).get("mlflow_run_id", "")
-    except (OSError, ValueError, AttributeError):
-        pass
-    run_id = run_id or state.get("mlflow_run_id", "")
+    run_id = state.get("mlflow_run_id") or ""
     if not run_id:
-        warnings.warn("no MLflow run id in metrics/train.json or the checkpoint; evaluation is not logged to MLflow")
+        try:
+            run_id = dvc_metrics.read(root, "train").get("mlflow_run_id", "")
+        except (OSError, ValueError, AttributeError):
+            pass
+    if not run_id:
+        warnings.warn("no MLflow run id in the checkpoint or metrics/train_detail.json; evaluation is not logged to MLflow")
         return
     tracker = open_existing(params, root, run_id)
     if tracker is None:
         return
     values = {k: v for k, v in metrics.items() if v is not None}
-    tracker.log_summary(values, artifacts=[out["metrics"]],
+    tracker.log_summary(values, artifacts=[out["detail"]],
                         tags={"voxdiff.eval_checkpoint_sha256": sha256_file(out["checkpoint"])})
     try:
         tracker.client.log_artifacts(run_id, str(out["plots"]), artifact_path="eval")

@@ -83,12 +83,21 @@ def adam_settings(train: Train, effective_batch: int) -> AdamSettings:
     return AdamSettings(lr, betas, train.adam_eps / math.sqrt(kappa))
 
 
-def lr_at(train: Train, effective_batch: int, samples_seen: int) -> float:
-    """Learning rate for the step that brings the total to `samples_seen` (linear warm-up in samples)."""
+def lr_at(train: Train, effective_batch: int, samples_seen: int, total_samples: int) -> float:
+    """Learning rate for the step that brings the total to `samples_seen`, all counted in samples:
+    linear warm-up to the (scaled) peak over train.warmup_samples, then train.lr_schedule: constant, or
+    a cosine or linear decay from the peak to train.lr_min at `total_samples` (the budget), so runs of
+    every accumulate_every decay over the same data."""
     peak = scaled_lr(train, effective_batch)
-    if train.warmup_samples <= 0:
+    warm = train.warmup_samples
+    if warm > 0 and samples_seen < warm:
+        return peak * samples_seen / warm
+    if train.lr_schedule == "constant":
         return peak
-    return peak * min(1.0, samples_seen / train.warmup_samples)
+    span = max(total_samples - warm, 1)
+    progress = min(1.0, max(0.0, (samples_seen - warm) / span))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if train.lr_schedule == "cosine" else 1 - progress
+    return train.lr_min + (peak - train.lr_min) * shape
 
 
 def ema_halflife(train: Train, samples_seen: int) -> float:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import sys
 import time
 from pathlib import Path
 
-from voxdiff.training import checkpoint
+from voxdiff.training import checkpoint, posthoc_ema
 
+from voxdiff.codehash import training_code_hash
 from voxdiff.report import plots
 from voxdiff.data.cache import open_cache
 from voxdiff.training.distributed import Runtime, init_runtime, shutdown
@@ -19,15 +21,20 @@ from voxdiff.params import Params
 from voxdiff.training.schedule import due_in_samples, ema_rampup_end
 from voxdiff.training.trainer import Trainer, due
 from voxdiff.tracking.runs import RunTracker
+from voxdiff.tracking.views import publish_training_view
+from voxdiff.tracking import dvc_metrics
 
-TRAIN_COLUMNS = ("step", "samples_seen", "wall_time", "train_loss", "lr", "grad_norm", "gns", "ema_halflife", "samples_per_s")
+TRAIN_COLUMNS = ("step", "samples_seen", "wall_time", "train_loss", "lr", "grad_norm", "clip_fraction", "gns",
+                 "ema_halflife", "samples_per_s")
 VAL_COLUMNS = ("step", "samples_seen", "wall_time", "val_loss")
 
 
 def paths(root: Path) -> dict[str, Path]:
     return {
         "checkpoint": root / "models" / "checkpoint.pt",
-        "metrics": root / "metrics" / "train.json",
+        "metrics": root / "metrics" / "train.json",  # the DVC metrics: a few figures (tracking/dvc_metrics.py)
+        "detail": root / "metrics" / "train_detail.json",  # every field of the summary
+        "checkpoint_id": root / "metrics" / "checkpoint.json",  # evaluate's DVC link to the model
         "train_curve": root / "metrics" / "train_curve.tsv",
         "val_curve": root / "metrics" / "val_curve.tsv",
         "plot": root / "plots" / "convergence.png",
@@ -39,34 +46,50 @@ def say(rt: Runtime, msg: str) -> None:
         print(f"[voxdiff train] {msg}", file=sys.stderr, flush=True)
 
 
-def run_training(params: Params, root: Path, progress: bool | None = None) -> dict:
-    """Train to the budget in params.yaml, resuming an unfinished run of the same configuration."""
+def run_training(params: Params, root: Path, progress: bool | None = None, restart: bool = False) -> dict:
+    """Train to the budget in params.yaml, resuming an unfinished run of the same configuration.
+    restart (or VOXDIFF_RESTART=1): train from scratch whatever models/checkpoint.pt holds."""
     rt = init_runtime(params.train.device, params.train.precision)
     try:
-        return _run(params, Path(root), rt, progress)
+        return _run(params, Path(root), rt, progress, restart or os.environ.get("VOXDIFF_RESTART") == "1")
     finally:
         shutdown()
 
 
-def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict:
+def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart: bool = False) -> dict:
     out = paths(root)
     cache = open_cache(root / "data" / "processed")
     trainer = Trainer(params, root, rt, cache)
     budget = trainer.budget
-    state, why = checkpoint.resumable(out["checkpoint"], trainer.fingerprint())
+    state, why = checkpoint.resumable(out["checkpoint"], trainer.fingerprint(), restart,
+                                      rt.precision, trainer.fingerprint)
     say(rt, why)
+    changed = []
     if state is not None:
         trainer.restore(state)
+        changed = sorted(k for k, v in trainer.measurement().items() if state["measurement"].get(k) != v)
+        if changed:
+            # The weights stand (these keys never touch them); what was measured before differs.
+            trainer.counters.measurement_changes.append({"step": trainer.counters.step, "keys": changed})
+            say(rt, f"measurement settings changed since the checkpoint ({', '.join('train.' + k for k in changed)}): "
+                    f"the run goes on; curves before and after step {trainer.counters.step} were measured differently")
     if trainer.phema is not None and rt.is_main:
-        trainer.phema.drop_snapshots_after(trainer.phema.step)  # an abandoned run's, or a newer-than-checkpoint one
+        # Only this run's snapshots: others removed, a missing one refused (a finished run only warns).
+        lost = trainer.phema.claim(out["checkpoint"], finished=bool(state and state.get("finished")))
+        if lost:
+            say(rt, lost)
     if state is not None and state.get("finished"):
         # DVC reran the stage for a change that does not touch training (e.g. another stage's code):
         # the finished model stands; rewrite the stage's other outputs from it.
         say(rt, f"nothing to train: outputs rewritten from it (delete {out['checkpoint'].relative_to(root)} "
                 "to train this configuration again)")
-        summary = summarize(trainer, params, rt, None, run_id=state.get("mlflow_run_id", ""))
+        summary = summarize(trainer, params, rt, None, run_id=state.get("mlflow_run_id", ""),
+                            revalidate=bool({"val_seed", "val_draws"} & set(changed)))
         if rt.is_main:
             write_outputs(out, trainer, summary)
+            tracker = RunTracker.reopen(params, root, summary["mlflow_run_id"])
+            if tracker:  # an MLflow outage may have kept steps, the summary or the end from it
+                log_final(tracker, trainer, summary, out, root)
         return summary
     say(rt, f"device {rt.device}, precision {rt.precision}, world size {rt.world_size}; micro-batch "
             f"{budget.micro_batch} x accumulate_every {budget.accumulate_every} x {rt.world_size} = effective "
@@ -85,22 +108,13 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
         tracker = RunTracker.start(
             params, root, resume_run_id=state["mlflow_run_id"] if state else "",
             tags={"voxdiff.data_fingerprint": cache.fingerprint, "voxdiff.device": str(rt.device),
+                  "voxdiff.code_hash": training_code_hash(),
                   "voxdiff.world_size": rt.world_size, "voxdiff.precision": rt.precision},
             extra_params={"effective_batch_size": budget.effective_batch, "world_size": rt.world_size,
                           "effective_lr": adam.lr, "effective_adam_beta1": adam.betas[0],
                           "effective_adam_beta2": adam.betas[1], "effective_adam_eps": adam.eps,
                           "ema_rampup_end_samples": ema_rampup_end(params.train),
                           "precision_resolved": rt.precision, "device_resolved": str(rt.device)})
-
-    monitor = None
-    if tracker:
-        if state is None:  # a new run: record its input data once
-            tracker.log_dataset(f"voxdiff-processed-{params.data.source}", cache.fingerprint,
-                                {"data.source": params.data.source, "path": "data/processed",
-                                 "subjects": len(cache.subjects), "shape": "x".join(map(str, trainer.shape)),
-                                 "label_values": list(cache.label_values)})
-        if params.mlflow.system_metrics:
-            monitor = tracker.start_system_metrics(params.mlflow.system_metrics_interval_s)
 
     def save(finished: bool) -> None:
         if rt.is_main:
@@ -109,8 +123,18 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
                 tracker.log_history(trainer.counters.history)
 
     c = trainer.counters
-    bar = make_bar(rt, budget.total_steps, c.step, progress)
-    try:
+    monitor = bar = None
+    try:  # from here on every way out ends the MLflow run (FINISHED, KILLED or FAILED)
+        if tracker:
+            publish_training_view(tracker.client, tracker.run_id)  # the MLflow UI's comparison (tracking/views.py)
+            # Its input data, also on resume (a crash during an MLflow outage may have kept it out; sent once)
+            tracker.log_dataset(f"voxdiff-processed-{params.data.source}", cache.fingerprint,
+                                {"data.source": params.data.source, "path": "data/processed",
+                                 "subjects": len(cache.subjects), "shape": "x".join(map(str, trainer.shape)),
+                                 "label_values": list(cache.label_values)})
+            if params.mlflow.system_metrics:
+                monitor = tracker.start_system_metrics(params.mlflow.system_metrics_interval_s)
+        bar = make_bar(rt, budget.total_steps, c.step, progress)
         with GracefulInterrupt() as interrupt:
             while c.step < budget.total_steps:
                 before = c.samples_seen
@@ -127,15 +151,17 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
         # Reached only at a window boundary with the step's record kept (GracefulInterrupt defers
-        # the first Ctrl-C), so the resumed run continues exactly where this one stopped.
-        save(finished=False)
-        say(rt, f"interrupted: checkpoint saved at step {c.step}; rerun the stage to resume")
-        if tracker:
-            tracker.finish("KILLED")
+        # the first Ctrl-C or SIGTERM), so the resumed run continues exactly where this one stopped.
+        try:
+            save(finished=False)
+            say(rt, f"interrupted: checkpoint saved at step {c.step}; rerun the stage to resume")
+        finally:  # a checkpoint that cannot be written (ENOSPC) still ends the run
+            if tracker:
+                tracker.finish("KILLED")
         raise
-    except TrainingDiverged:
+    except BaseException as e:  # divergence, OOM, ENOSPC, a CUDA error, SystemExit: the run ends with the training
         if tracker:
-            tracker.finish("FAILED")
+            tracker.finish(RunTracker.status_for(e))
         raise
     finally:
         if bar is not None:
@@ -143,32 +169,46 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None) -> dict
         if monitor is not None:
             monitor.finish()
 
-    save(finished=True)
-    summary = summarize(trainer, params, rt, tracker) if rt.is_main else {}  # validation ran on rank 0 only
-    if rt.is_main:
-        write_outputs(out, trainer, summary)
+    try:
+        save(finished=True)
+        summary = summarize(trainer, params, rt, tracker) if rt.is_main else {}  # validation ran on rank 0 only
+        if rt.is_main:
+            write_outputs(out, trainer, summary)
+            if tracker:
+                log_final(tracker, trainer, summary, out, root)
+    except BaseException as e:  # e.g. ENOSPC writing the outputs: the run must not stay RUNNING
         if tracker:
-            tracker.log_summary(
-                {k: v for k, v in summary.items()
-                 if k.startswith(("final_", "total_", "effective_", "peak_", "val_flattening", "phema_", "ema_sigma"))},
-                artifacts=[out["metrics"], out["plot"], root / "params.yaml",
-                           root / "data" / "processed" / "preview.png"],
-                tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"],
-                      "voxdiff.checkpoint_path": str(out["checkpoint"].relative_to(root))})
-            tracker.log_model(trainer.ema.module, model_metadata(trainer))
-            tracker.finish()
+            tracker.finish(RunTracker.status_for(e))
+        raise
+    if rt.is_main:
         say(rt, f"done: val_loss {summary['final_val_loss']:.4f}, {summary['total_samples']} samples in "
                 f"{summary['total_wall_time']:.0f} s ({summary['samples_per_s']:.2f} samples/s)")
     return summary
 
 
+def log_final(tracker: RunTracker, trainer: Trainer, summary: dict, out: dict[str, Path], root: Path) -> None:
+    """A finished training's run: steps, summary, files, EMA model, then FINISHED (each retried by the
+    tracker while MLflow is away). From a finished checkpoint, only what the run still lacks is sent."""
+    tracker.log_history(trainer.counters.history)
+    tracker.log_summary(
+        {k: v for k, v in summary.items()
+         if k.startswith(("final_", "total_", "effective_", "peak_", "val_flattening", "phema_", "ema_sigma",
+                          "clip_fraction", "plateau_"))},
+        artifacts=[out["detail"], out["plot"], root / "params.yaml", root / "data" / "processed" / "preview.png"],
+        tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"],
+              "voxdiff.checkpoint_path": str(out["checkpoint"].relative_to(root))})
+    tracker.log_model(trainer.ema.module, model_metadata(trainer))
+    tracker.finish()
+
+
 def run_sample_counted_events(trainer: Trainer, record: dict, before: int, last: bool) -> None:
     """Validation, post-hoc EMA snapshots and the bucket noise-scale probe, each when it is due in
-    samples (schedule.due_in_samples) after the step that took samples seen from `before` to now."""
+    samples (schedule.due_in_samples; snapshots: posthoc_ema.snapshot_due) after the step that took samples seen from `before` to now."""
     tr, now = trainer.p.train, trainer.counters.samples_seen
     if due_in_samples(before, now, tr.val_every_samples, last):
         record["val_loss"] = trainer.validation_loss()
-    if trainer.phema is not None and due_in_samples(before, now, tr.phema_snapshot_every_samples, last):
+    if trainer.phema is not None and posthoc_ema.snapshot_due(before, now, trainer.budget.total_samples,
+                                                              tr.phema_snapshots):
         trainer.phema.snapshot()  # a checkpoint must not predate its snapshots
     if due_in_samples(before, now, tr.gns_buckets_every_samples, last):
         record.update(trainer.bucket_noise_scale())
@@ -184,15 +224,20 @@ def model_metadata(trainer: Trainer) -> dict:
             "weights": "EMA", "samples_seen": trainer.counters.samples_seen}
 
 
-def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: str = "") -> dict:
+def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: str = "",
+              revalidate: bool = False) -> dict:
+    """The run's figures (metrics/train_detail.json; train.json holds a few). revalidate: the validation draws changed after training
+    (train.val_seed / val_draws): the final val loss is measured again with the draws in force now."""
     from voxdiff.fsutil import sha256_file
 
     c, b = trainer.counters, trainer.budget
     val = [h for h in c.history if h["val_loss"] is not None]
     window_means = [h["train_loss"] for h in c.history[-max(1, len(c.history) // 10):]]
+    final_val = trainer.validation_loss() if revalidate and rt.is_main else val[-1]["val_loss"]
     return {
-        "final_val_loss": val[-1]["val_loss"], "best_val_loss": min(h["val_loss"] for h in val),
+        "final_val_loss": final_val, "best_val_loss": min(h["val_loss"] for h in val),
         "val_flattening": flattening([h["samples_seen"] for h in val], [h["val_loss"] for h in val]),
+        **plateau_figures([h["step"] for h in val], [h["val_loss"] for h in val]),
         "final_train_loss": sum(window_means) / len(window_means),
         "total_steps": c.step, "total_samples": c.samples_seen, "total_wall_time": c.wall_time,
         "samples_per_s": c.samples_seen / max(c.wall_time, 1e-9),
@@ -201,12 +246,25 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
         "accumulate_every": b.accumulate_every, "world_size": rt.world_size,
         "effective_lr": trainer.adam.lr,
         "skipped_steps": c.skipped_steps, "ema_updates": c.ema_updates,
+        "clip_fraction": c.clipped_steps / max(c.step, 1),
+        "measurement_changed_at_steps": [m["step"] for m in c.measurement_changes],
         "gns": trainer.gns.value if trainer.gns_reason is None else None,
         "gns_note": trainer.gns_reason or "", "device": str(rt.device), "precision": rt.precision,
         "mlflow_run_id": tracker.run_id if tracker else run_id,
         "checkpoint_sha256": sha256_file(paths(trainer.root)["checkpoint"]) if rt.is_main else "",
         **(trainer.posthoc_val_losses() if rt.is_main else {}),
     }
+
+
+def plateau_figures(steps: list[int], losses: list[float]) -> dict:
+    """The plateau criterion (convergence.py): the val loss's relative change over the last quarter of
+    the run's optimizer steps, whether it is within convergence.PLATEAU_THRESHOLD, and the level."""
+    from voxdiff import convergence
+
+    change = convergence.plateau_change(steps, losses)
+    reached = convergence.reached_plateau(change)
+    return {"plateau_change": change, "plateau_reached": None if reached is None else int(reached),
+            "plateau_val_loss": convergence.plateau_level(steps, losses)}
 
 
 def flattening(samples: list[int], losses: list[float]) -> float | None:
@@ -225,7 +283,9 @@ def flattening(samples: list[int], losses: list[float]) -> float | None:
 
 def write_outputs(out: dict[str, Path], trainer: Trainer, summary: dict) -> None:
     history = trainer.counters.history
-    write_json(out["metrics"], summary)
+    write_json(out["detail"], summary)
+    write_json(out["metrics"], dvc_metrics.train_figures(summary))
+    write_json(out["checkpoint_id"], dvc_metrics.checkpoint_id(summary))
     write_text(out["train_curve"], tsv(history, TRAIN_COLUMNS))
     write_text(out["val_curve"], tsv([h for h in history if h["val_loss"] is not None], VAL_COLUMNS))
     plots.convergence(history, out["plot"], title=f"micro-batch {summary['micro_batch']} x accumulate "
@@ -242,31 +302,37 @@ def tsv(rows: list[dict], columns: tuple[str, ...]) -> str:
 
 
 class GracefulInterrupt:
-    """Defers the first Ctrl-C (SIGINT) to the end of the current optimizer step.
+    """Defers the first Ctrl-C (SIGINT) or SIGTERM (what `dvc queue kill`, SLURM and Kubernetes send)
+    to the end of the current optimizer step.
 
     The handler only sets a flag; the loop checks it after the step's record and checkpoint are done
-    and then raises KeyboardInterrupt, so the saved state is a clean window boundary. A second Ctrl-C
-    interrupts at once (the previous handler is back). Under DDP the flag is summed over ranks, so all
-    ranks stop at the same step.
+    and then raises KeyboardInterrupt, so the saved state is a clean window boundary. A second signal
+    of the same kind acts at once (the previous handler is back). Under DDP the flag is summed over
+    ranks, so all ranks stop at the same step.
     """
+
+    SIGNALS = ("SIGINT", "SIGTERM")
 
     def __init__(self):
         self.flag = False
-        self.previous = None
+        self.previous: dict = {}
 
     def __enter__(self):
         import signal
         import threading
 
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handler)
+            for name in self.SIGNALS:
+                sig = getattr(signal, name)
+                self.previous[sig] = signal.signal(sig, self._handler)
         return self
 
     def _handler(self, signum, frame):
         import signal
 
         self.flag = True
-        signal.signal(signal.SIGINT, self.previous or signal.default_int_handler)
+        fallback = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        signal.signal(signum, self.previous.get(signum) or fallback)
 
     def requested(self, rt: Runtime) -> bool:
         if rt.world_size == 1:
@@ -278,8 +344,8 @@ class GracefulInterrupt:
     def __exit__(self, *exc):
         import signal
 
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         return False
 
 

@@ -30,6 +30,16 @@ from voxdiff.diffusion.model import build_inferer, build_network, build_schedule
 from voxdiff.params import Params
 from voxdiff.training.schedule import Budget, adam_settings, ema_beta, ema_halflife, lr_at, plan_budget
 
+# What a change to each train.* key invalidates (README, "Resume and retrain"). These only decide what
+# is measured during training, never a weight (validation and the probes touch neither .grad, the
+# optimizer nor any RNG: tests/test_training_controls.py): a change keeps the run and is recorded.
+MEASUREMENT_KEYS = ("val_every_samples", "val_draws", "val_seed", "gns_smoothing", "gns_buckets",
+                    "gns_bucket_samples", "gns_buckets_every_samples", "gns_probe_samples", "gns_ci_level",
+                    "phema_eval_sigma_rels")
+# Where and how often the run is written and run: no effect on the trajectory. precision is not here
+# because its *resolved* value is part of the fingerprint (auto resolves per machine).
+OPERATIONAL_KEYS = ("checkpoint_every", "device", "precision", "fp16_max_skipped_steps")
+
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device copy; on CUDA from pinned memory without blocking, so the copy of the next
@@ -59,6 +69,9 @@ class Counters:
     skipped_steps: int = 0   # fp16 steps skipped by the GradScaler (overflow)
     ema_updates: int = 0
     history: list = dataclasses.field(default_factory=list)  # one dict per optimizer step
+    clipped_steps: int = 0   # optimizer steps whose gradient norm exceeded train.grad_clip
+    skipped_in_a_row: int = 0  # consecutive fp16 skips (train.fp16_max_skipped_steps stops a run that never recovers)
+    measurement_changes: list = dataclasses.field(default_factory=list)  # {"step", "keys"} per resume that changed them
 
 
 class Trainer:
@@ -78,7 +91,7 @@ class Trainer:
         self.ema = AveragedModel(self.net, use_buffers=True)
         tr = params.train
         self.phema = (posthoc_ema.ProfileTracker(self.net, lambda: copy.deepcopy(self.ema.module),
-                                                 tr.phema_sigma_rels, root / "models" / "phema")
+                                                 tr.phema_sigma_rels, root / "models" / "phema", self.fingerprint())
                       if tr.phema_sigma_rels else None)
         if params.model.activation_checkpointing:
             enable_activation_checkpointing(self.net)
@@ -99,14 +112,24 @@ class Trainer:
                                            params.diffusion.timesteps, (1, *self.shape))
 
     # --- identity ---------------------------------------------------------------------------------
-    def fingerprint(self) -> str:
-        """What a checkpoint must match to be resumed: params that shape the trajectory, data, world size."""
+    def fingerprint(self, precision: str | None = None) -> str:
+        """What a checkpoint must match to be resumed or to stand as finished: the params that shape the
+        trajectory, the data, the world size, the resolved precision (`precision` overrides it: used to
+        tell a precision-only mismatch apart) and the training code (codehash: a code fix retrains)."""
+        from voxdiff.codehash import training_code_hash
+
         raw = dict(self.p.raw)
-        raw["train"] = {k: v for k, v in raw["train"].items() if k not in ("checkpoint_every", "device")}
+        raw["train"] = {k: v for k, v in raw["train"].items() if k not in MEASUREMENT_KEYS + OPERATIONAL_KEYS}
         blob = {k: raw[k] for k in ("seed", "data", "preprocess", "model", "diffusion", "train")}
         blob["_data"] = self.cache.fingerprint
         blob["_world_size"] = self.rt.world_size
+        blob["_precision"] = precision or self.rt.precision
+        blob["_code"] = training_code_hash()
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+    def measurement(self) -> dict:
+        """The measurement-only settings in force (MEASUREMENT_KEYS), stored in every checkpoint."""
+        return {k: self.p.raw["train"][k] for k in MEASUREMENT_KEYS}
 
     # --- data -------------------------------------------------------------------------------------
     def batch(self, indices: list[int]):
@@ -176,6 +199,7 @@ class Trainer:
             "step": c.step, "samples_seen": c.samples_seen, "wall_time": round(c.wall_time, 4),
             "train_loss": train_loss, "val_loss": None, "lr": self.opt.param_groups[0]["lr"],
             "grad_norm": grad_norm, "samples_per_s": n_window / max(elapsed, 1e-9),
+            "clip_fraction": c.clipped_steps / c.step,
             "gns": self.gns.value if self.gns_reason is None else None,
             "gns_grad_sq": self.gns.grad_sq, "gns_trace": self.gns.trace,
             "ema_halflife": ema_halflife(self.p.train, c.samples_seen),
@@ -203,12 +227,14 @@ class Trainer:
     def optimizer_step(self, n_window: int) -> tuple[float, bool]:
         """Once per window: LR, unscale, clip (norm logged before clipping), step, EMA."""
         c, tr = self.counters, self.p.train
-        lr = lr_at(tr, self.budget.effective_batch, c.samples_seen + n_window)
+        lr = lr_at(tr, self.budget.effective_batch, c.samples_seen + n_window, self.budget.total_samples)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.scaler.unscale_(self.opt)
         max_norm = tr.grad_clip if tr.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm))
+        if math.isfinite(grad_norm) and grad_norm > max_norm:
+            c.clipped_steps += 1  # clip_fraction: a clip that binds on most steps changes the optimizer
         if not self.rt.use_scaler and not math.isfinite(grad_norm):
             raise TrainingDiverged(f"gradient norm is {grad_norm} at optimizer step {c.step + 1}; "
                                    "the last good checkpoint is kept")
@@ -224,8 +250,15 @@ class Trainer:
             if self.phema is not None:
                 self.phema.update()
             c.ema_updates += 1
+            c.skipped_in_a_row = 0
         else:
             c.skipped_steps += 1  # fp16 overflow: the scaler skipped the step, so EMA and GNS skip it too
+            c.skipped_in_a_row += 1
+            if c.skipped_in_a_row >= tr.fp16_max_skipped_steps:
+                raise TrainingDiverged(
+                    f"fp16: the GradScaler skipped {c.skipped_in_a_row} steps in a row (overflow) up to optimizer "
+                    f"step {c.step + 1} (train.fp16_max_skipped_steps); the last good checkpoint is kept: use "
+                    "train.precision bf16 or fp32, or a lower train.lr")
         return grad_norm, stepped
 
     # --- validation -------------------------------------------------------------------------------
@@ -243,8 +276,9 @@ class Trainer:
         out = {"ema_sigma_rel": posthoc_ema.classic_ema_sigma_rel(tr.ema_halflife_samples, c.samples_seen)}
         if self.phema is None or not self.phema.snapshots():
             return out
-        for sigma_rel in tr.phema_eval_sigma_rels:
-            out[posthoc_ema.metric_name(sigma_rel)] = self.validation_loss(self.phema.reconstruct(sigma_rel))
+        rebuilt = self.phema.reconstruct(tr.phema_eval_sigma_rels)  # every snapshot read once for all lengths
+        for sigma_rel, net in zip(tr.phema_eval_sigma_rels, rebuilt):
+            out[posthoc_ema.metric_name(sigma_rel)] = self.validation_loss(net)
         best = min(tr.phema_eval_sigma_rels, key=lambda s: out[posthoc_ema.metric_name(s)])
         out["phema_best_val_loss"] = out[posthoc_ema.metric_name(best)]
         out["phema_best_sigma_rel"] = best
@@ -252,40 +286,32 @@ class Trainer:
 
     # --- noise scale per timestep bucket ---------------------------------------------------------
     def bucket_noise_scale(self) -> dict:
-        """B_simple per timestep bucket from single-sample gradients of the current weights on fixed
-        probe draws (train.gns_bucket_samples per bucket, training subjects): {"gns_t0": ..., "gns_t0_se":
-        ...}. The denoising target's variance depends on the noise level, so one B_noise per run
+        """B_simple per timestep bucket (gns_t0 ...: train.gns_bucket_samples draws each) and marginal over
+        timesteps (gns_marginal: train.gns_probe_samples draws, timesteps uniform as in training), each with
+        a train.gns_ci_level interval (_lo, _hi), from single-sample gradients of the current weights on
+        fixed probe draws of training subjects (gns.probe_noise_scale: two passes, at most two gradient
+        copies alive). The denoising target's variance depends on the noise level, so one B_noise per run
         averages over very different problems. Touches neither .grad, the optimizer nor any RNG
         (training stays bit for bit the same with the probe on or off)."""
-        tr, d = self.p.train, self.p.diffusion
+        tr = self.p.train
         params = [q for q in self.net.parameters() if q.requires_grad]
-        out = {}
-        for b, (lo, hi) in enumerate(gns.bucket_edges(d.timesteps, tr.gns_buckets)):
-            draws = objective.probe_draws(self.p.seed, b, lo, hi, tr.gns_bucket_samples, len(self.train_rows),
-                                          (1, *self.shape))
-            flat = []
-            for s, t, noise in draws:
-                loss = self.losses(self.net, *self.on_device([s], [t], [noise])).sum()
-                grads = torch.autograd.grad(loss, params)
-                flat.append(torch.cat([g.reshape(-1).float() for g in grads]))
-            stacked = torch.stack(flat).double()
-            finite = torch.isfinite(stacked).all(dim=1)
-            stacked = stacked[finite]
-            gram = (stacked @ stacked.T).cpu().numpy()  # one host read per bucket
-            value, trace, grad_sq = gns.b_simple_from_gram(gram) if len(gram) >= 3 else (float("nan"),) * 3
-            # |G|^2 <= 0 means the probe's gradients are dominated by noise: B is too large to resolve
-            # with this many samples (None), and the raw estimates are logged so a reader can see it.
-            out[f"gns_t{b}"] = value if math.isfinite(value) else None
-            out[f"gns_t{b}_grad_sq"], out[f"gns_t{b}_trace"] = grad_sq, trace
-            out[f"gns_t{b}_se"] = gns.jackknife_se(gram) if math.isfinite(value) else None
-            out[f"gns_t{b}_dropped"] = int((~finite).sum())  # probe gradients with inf/NaN (left out)
-        return out
+
+        def gradient(position: int, t: int, noise: torch.Tensor):
+            loss = self.losses(self.net, *self.on_device([position], [t], [noise])).sum()
+            return torch.autograd.grad(loss, params)
+
+        return gns.probe_noise_scale(gradient, self.p.seed, self.p.diffusion.timesteps, tr.gns_buckets,
+                                     tr.gns_bucket_samples, tr.gns_probe_samples, len(self.train_rows),
+                                     (1, *self.shape), tr.gns_ci_level)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state(self, finished: bool, run_id: str | None) -> dict:
         c = self.counters
         return {
             "fingerprint": self.fingerprint(), "finished": finished,
+            "precision_resolved": self.rt.precision, "measurement": self.measurement(),
+            "clipped_steps": c.clipped_steps, "skipped_in_a_row": c.skipped_in_a_row,
+            "measurement_changes": c.measurement_changes,
             "step": c.step, "samples_seen": c.samples_seen, "wall_time": c.wall_time,
             "skipped_steps": c.skipped_steps, "ema_updates": c.ema_updates, "history": c.history,
             "model": self.net.state_dict(), "ema": self.ema.state_dict(),
@@ -307,7 +333,9 @@ class Trainer:
         if self.phema is not None:
             self.phema.load_state_dict(state["phema"])
         self.counters = Counters(state["step"], state["samples_seen"], state["wall_time"],
-                                 state["skipped_steps"], state["ema_updates"], list(state["history"]))
+                                 state["skipped_steps"], state["ema_updates"], list(state["history"]),
+                                 state["clipped_steps"], state["skipped_in_a_row"],
+                                 list(state["measurement_changes"]))
 
 
 class GradProbe:

@@ -1,0 +1,90 @@
+"""Which source files a module runs, and a hash of them: the code part of a training's identity.
+
+A finished checkpoint stands for the code that trained it. DVC reruns the train stage after an edit to
+any of its deps; the trainer then compares this hash with the one stored in the checkpoint, so an edit
+to the training code retrains (it used to print "nothing to train" and keep the old weights) while an
+edit to plumbing outside the hash (tracking, plots) rewrites the stage's outputs from the finished model.
+tests/test_layout.py checks that dvc.yaml's train deps are exactly this closure plus the stage entry.
+
+We read the import graph with `ast` rather than from sys.modules: the result must not depend on what
+happened to be imported already (tests, torchrun, a DVC queue worker all import differently).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1]  # .../src
+TRAINING_MODULE = "voxdiff.training.train"
+# Code that only records or draws what training did: it cannot change a weight, so an edit to it
+# must not throw a finished run away (it is still a dep of the stage, which then rewrites outputs).
+RECORDING_ONLY = ("voxdiff.tracking", "voxdiff.report", "voxdiff.convergence")
+
+
+def module_file(name: str) -> Path | None:
+    """src/ path of dotted module `name` (voxdiff.x.y): x/y.py or x/y/__init__.py."""
+    base = SRC.joinpath(*name.split("."))
+    for f in (base.with_suffix(".py"), base / "__init__.py"):
+        if f.is_file():
+            return f
+    return None
+
+
+def imports_of(name: str) -> set[str]:
+    """voxdiff modules that module `name` imports (at any depth of its code, lazy imports included)."""
+    f = module_file(name)
+    package = name if f.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(f.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if not target.startswith("voxdiff"):
+                continue
+            for alias in node.names:  # `from . import x` may name a module
+                sub = f"{target}.{alias.name}"
+                out.add(sub if module_file(sub) else target)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("voxdiff"))
+    return {m for m in out if module_file(m) and m != name}
+
+
+def closure(start: str) -> set[str]:
+    """`start` and every voxdiff module it imports, directly or not (parent packages included)."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += imports_of(m)
+            parent = m.rpartition(".")[0]
+            if parent:  # importing a.b runs a/__init__.py first
+                todo.append(parent)
+    return seen
+
+
+def training_sources() -> list[Path]:
+    """The files whose code can change what training computes, sorted."""
+    mods = [m for m in closure(TRAINING_MODULE) if not m.startswith(RECORDING_ONLY)]
+    return sorted(module_file(m) for m in mods)
+
+
+@functools.lru_cache(maxsize=1)
+def training_code_hash() -> str:
+    """sha256 of the training sources (path and bytes) and of the numerical libraries' versions."""
+    import monai
+    import torch
+
+    h = hashlib.sha256()
+    for f in training_sources():
+        h.update(str(f.relative_to(SRC)).encode() + b"\0" + f.read_bytes() + b"\0")
+    # Without the local part: a CPU and a CUDA build of one release compute the same on the same device.
+    h.update(f"torch {torch.__version__.split('+')[0]} monai {monai.__version__}".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,228 @@
+"""What a checkpoint stands for, and how a run ends: the fingerprint holds the training code and the
+resolved precision, measurement-only keys keep a run, an unreadable checkpoint is refused, SIGTERM
+stops at a window boundary, fp16 cannot skip forever, the clip fraction is counted, min-SNR needs L2.
+Each test has the control that shows it can fail."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import make_params
+from voxdiff import codehash
+from voxdiff.data.cache import open_cache
+from voxdiff.errors import ParamsError, TrainingDiverged, VoxdiffError
+from voxdiff.training.distributed import init_runtime
+from voxdiff.training.train import run_training
+from voxdiff.training.trainer import MEASUREMENT_KEYS, Trainer
+
+SHORT = {"train.max_samples": 8, "train.batch_size": 1, "train.accumulate_every": 2, "train.checkpoint_every": 1,
+         "train.val_every_samples": 4}
+
+
+def checkpoint(root):
+    return torch.load(root / "models" / "checkpoint.pt", weights_only=True)
+
+
+def trainer_for(root, overrides=None, precision="fp32"):
+    p = make_params({**SHORT, **(overrides or {})})
+    return Trainer(p, root, init_runtime("cpu", precision), open_cache(root / "data" / "processed"))
+
+
+# --- item 1: a code fix retrains -----------------------------------------------------------------------
+def test_fingerprint_changes_with_the_training_code(tiny_root, monkeypatch):
+    import shutil
+
+    tr = trainer_for(tiny_root)
+    before = tr.fingerprint()
+    src = tiny_root / "src"
+    shutil.copytree(codehash.SRC / "voxdiff", src / "voxdiff")
+    monkeypatch.setattr(codehash, "SRC", src)
+    try:
+        codehash.training_code_hash.cache_clear()
+        assert tr.fingerprint() == before  # the same code elsewhere: the same hash
+        recording = src / "voxdiff" / "tracking" / "runs.py"
+        recording.write_text(recording.read_text() + "\n# not training code\n")
+        codehash.training_code_hash.cache_clear()
+        assert tr.fingerprint() == before  # recording code is left out
+        objective = src / "voxdiff" / "diffusion" / "objective.py"
+        objective.write_text(objective.read_text() + "\n# a fix\n")
+        codehash.training_code_hash.cache_clear()
+        assert tr.fingerprint() != before
+    finally:
+        codehash.training_code_hash.cache_clear()
+
+
+def test_finished_checkpoint_of_other_code_is_retrained(tiny_root, monkeypatch):
+    p = make_params(SHORT)
+    run_training(p, tiny_root, progress=False)
+    first = checkpoint(tiny_root)
+    # Same params, same code: nothing to train, the file stays byte for byte (the negative control).
+    stamp = (tiny_root / "models" / "checkpoint.pt").read_bytes()
+    run_training(p, tiny_root, progress=False)
+    assert (tiny_root / "models" / "checkpoint.pt").read_bytes() == stamp
+    # The training code changed (what DVC reruns the stage for): a new run, not the old weights.
+    monkeypatch.setattr(codehash, "training_code_hash", lambda: "edited-code")
+    run_training(p, tiny_root, progress=False)
+    second = checkpoint(tiny_root)
+    assert second["fingerprint"] != first["fingerprint"] and second["mlflow_run_id"] != first["mlflow_run_id"]
+
+
+def test_recording_code_is_not_in_the_training_hash():
+    files = {f.name for f in codehash.training_sources()}
+    assert "runs.py" not in files and "plots.py" not in files and "trainer.py" in files
+
+
+# --- item 2: measurement-only keys keep the run ---------------------------------------------------------
+@pytest.mark.parametrize("key,value", [("train.val_seed", 99), ("train.gns_bucket_samples", 5),
+                                       ("train.phema_eval_sigma_rels", [0.05, 0.1]), ("train.val_every_samples", 2)])
+def test_measurement_keys_do_not_change_the_fingerprint(tiny_root, key, value):
+    assert key.split(".")[1] in MEASUREMENT_KEYS
+    assert trainer_for(tiny_root).fingerprint() == trainer_for(tiny_root, {key: value}).fingerprint()
+
+
+def test_trajectory_keys_change_the_fingerprint(tiny_root):
+    base = trainer_for(tiny_root).fingerprint()
+    for key, value in (("train.lr", 2e-3), ("seed", 3), ("train.lr_schedule", "cosine"), ("train.grad_clip", 0.5)):
+        assert trainer_for(tiny_root, {key: value}).fingerprint() != base, key
+
+
+def test_changed_val_seed_keeps_a_finished_run_and_revalidates(tiny_root):
+    run_training(make_params(SHORT), tiny_root, progress=False)
+    first = checkpoint(tiny_root)
+    summary = run_training(make_params({**SHORT, "train.val_seed": 99}), tiny_root, progress=False)
+    after = checkpoint(tiny_root)
+    assert all(torch.equal(first["model"][k], after["model"][k]) for k in first["model"])  # not retrained
+    assert summary["mlflow_run_id"] == first["mlflow_run_id"]
+    # The final val loss is measured again with the new draws (the weights did not change).
+    assert summary["final_val_loss"] != first["history"][-1]["val_loss"]
+
+
+def test_changed_measurement_key_resumes_and_is_recorded(tiny_root, monkeypatch):
+    real_step = Trainer.train_step
+    calls = {"n": 0}
+
+    def stop_after_two(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params(SHORT), tiny_root, progress=False)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert checkpoint(tiny_root)["step"] == 2
+    summary = run_training(make_params({**SHORT, "train.val_draws": 3}), tiny_root, progress=False)
+    done = checkpoint(tiny_root)
+    assert done["finished"] and done["measurement_changes"] == [{"step": 2, "keys": ["val_draws"]}]
+    assert summary["measurement_changed_at_steps"] == [2] and summary["total_steps"] == 4
+
+
+# --- item 9: a resume cannot switch precision -----------------------------------------------------------
+def test_resume_in_another_precision_is_refused(tiny_root, monkeypatch):
+    bf16 = trainer_for(tiny_root, precision="bf16")
+    fp32 = trainer_for(tiny_root, precision="fp32")
+    assert bf16.fingerprint() != fp32.fingerprint() and fp32.fingerprint("bf16") == bf16.fingerprint()
+    real_step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if self.counters.step == 2 else real_step(self))
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params({**SHORT, "train.precision": "bf16"}), tiny_root, progress=False)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    with pytest.raises(VoxdiffError, match="trained in bf16.*resolves to fp32.*train.precision: bf16"):
+        run_training(make_params({**SHORT, "train.precision": "fp32"}), tiny_root, progress=False)
+    assert checkpoint(tiny_root)["step"] == 2  # kept
+    run_training(make_params({**SHORT, "train.precision": "bf16"}), tiny_root, progress=False)
+    assert checkpoint(tiny_root)["finished"]  # resumed in its own precision
+
+
+# --- item 12: an unreadable checkpoint is refused, not trained over --------------------------------------
+def test_unreadable_checkpoint_is_refused_and_kept(tiny_root):
+    ckpt = tiny_root / "models" / "checkpoint.pt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"half a checkpoint")
+    with pytest.raises(VoxdiffError, match=r"checkpoint.pt: not a readable.*--restart"):
+        run_training(make_params(SHORT), tiny_root, progress=False)
+    assert ckpt.read_bytes() == b"half a checkpoint"
+    run_training(make_params(SHORT), tiny_root, progress=False, restart=True)
+    assert checkpoint(tiny_root)["finished"]
+
+
+def test_checkpoints_are_fsynced(tiny_root, monkeypatch):
+    from voxdiff import fsutil
+
+    synced = []
+    real = fsutil.fsync_path
+    monkeypatch.setattr(fsutil, "fsync_path", lambda p: (synced.append(str(p)), real(p)))
+    run_training(make_params(SHORT), tiny_root, progress=False)
+    assert any(s.endswith("checkpoint.pt") for s in synced) and str(tiny_root / "models") in synced
+
+
+# --- item 11: SIGTERM stops at the end of the step, with a checkpoint ----------------------------------
+def test_sigterm_saves_at_the_window_boundary_and_resumes_exactly(tiny_root, tmp_path, monkeypatch):
+    cfg = {**SHORT, "train.max_samples": 12, "train.checkpoint_every": 100}  # no periodic checkpoints at all
+    ref_root = tmp_path / "ref"
+    ref_root.mkdir()
+    (ref_root / "data").symlink_to(tiny_root / "data")
+    run_training(make_params(cfg), ref_root, progress=False)
+    ref = checkpoint(ref_root)
+
+    real_step = Trainer.train_step
+
+    def terminated(self):
+        if self.counters.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # lands inside the step
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", terminated)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params(cfg), tiny_root, progress=False)
+    stopped = checkpoint(tiny_root)
+    assert stopped["step"] == 3 and not stopped["finished"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    run_training(make_params(cfg), tiny_root, progress=False)
+    done = checkpoint(tiny_root)
+    assert all(torch.equal(ref["model"][k], done["model"][k]) for k in ref["model"])
+
+
+# --- item 13: fp16 cannot skip forever ------------------------------------------------------------------
+def test_fp16_stops_after_too_many_skipped_steps(tiny_root, monkeypatch):
+    tr = trainer_for(tiny_root, {"train.precision": "fp16", "train.fp16_max_skipped_steps": 3,
+                                 "train.max_samples": 40}, precision="fp16")
+    # An overflow on every step: the scaler finds inf gradients and skips each one (a diverged fp16 run).
+    real_unscale = tr.scaler.unscale_
+
+    def overflowing_unscale(opt):
+        for q in tr.net.parameters():
+            if q.grad is not None:
+                q.grad.fill_(float("inf"))
+        return real_unscale(opt)
+
+    monkeypatch.setattr(tr.scaler, "unscale_", overflowing_unscale)
+    with pytest.raises(TrainingDiverged, match="skipped 3 steps in a row.*fp16_max_skipped_steps"):
+        for _ in range(10):
+            tr.train_step()
+    assert tr.counters.step == 2 and tr.counters.skipped_steps == 3
+
+
+# --- clip fraction (issue 20) ----------------------------------------------------------------------------
+def test_clip_fraction_counts_the_steps_whose_norm_was_clipped(tiny_root):
+    clipped = trainer_for(tiny_root, {"train.grad_clip": 1e-6, "train.max_samples": 8})
+    free = trainer_for(tiny_root, {"train.grad_clip": 0.0, "train.max_samples": 8})
+    loose = trainer_for(tiny_root, {"train.grad_clip": 1e6, "train.max_samples": 8})
+    for tr in (clipped, free, loose):
+        records = [tr.train_step() for _ in range(tr.budget.total_steps)]
+        tr.last = records[-1]["clip_fraction"]
+    assert clipped.last == 1.0 and free.last == 0.0 and loose.last == 0.0
+
+
+# --- item 4: min-SNR weighting needs the squared error ---------------------------------------------------
+def test_min_snr_with_l1_is_refused_naming_the_key():
+    with pytest.raises(ParamsError, match="diffusion.min_snr_gamma.*diffusion.loss: l2"):
+        make_params({"diffusion.min_snr_gamma": 5.0, "diffusion.loss": "l1"})
+    make_params({"diffusion.min_snr_gamma": 5.0, "diffusion.loss": "l2"})  # the supported case
