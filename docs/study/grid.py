@@ -18,28 +18,46 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "runs"
 EXPERIMENT = "voxdiff-study"
-BUDGET = 1536  # samples: the accumulate_every=1 runs plateau before it (docs/study/README.md, "Budget")
+BUDGET = 1536  # samples of the equal-samples arms (the first 36 runs)
+STEPS = 1536   # optimizer steps of the equal-steps arms: the archived micro-batch 1 x k 1 runs (1536 samples) are their k = 1 arm
 
-COMMON = {"train.max_samples": BUDGET, "train.max_steps": 0, "train.val_every_samples": 64,
-          "train.checkpoint_every": 64, "evaluate.subjects": 2, "evaluate.samples_per_condition": 2,
-          "mlflow.experiment": EXPERIMENT}
+# Keys of every run. The equal-steps arms set train.max_steps instead of max_samples (equal optimizer
+# steps: each effective batch gets the same number of updates, so each can reach its own plateau).
+COMMON = {"train.val_every_samples": 64, "train.checkpoint_every": 64, "evaluate.subjects": 2,
+          "evaluate.samples_per_condition": 2, "mlflow.experiment": EXPERIMENT}
+SAMPLES = {"train.max_samples": BUDGET, "train.max_steps": 0}
+EQUAL_STEPS = {"train.max_samples": 0, "train.max_steps": STEPS}
 KS = (1, 2, 4, 8)
 
 
 def arms() -> list[tuple[str, dict]]:
-    """(arm, overrides) in run order: main grid (micro-batch 1 and 2, no LR scaling, 3 seeds), then the
-    LR rules (sqrt, linear, sde at micro-batch 2, 2 seeds)."""
+    """(arm, overrides) in run order. First the 36 archived equal-samples runs (micro-batch 1 and 2,
+    no LR scaling, 3 seeds; then the LR rules at micro-batch 2, 2 seeds). Then the equal-steps study
+    of the critical batch (issue: the answer at convergence): micro-batch 1 x k 2/4/8 for STEPS steps
+    (the archived 1536-step k = 1 runs are its k = 1 arm), seed 0 of every k first, smallest k first
+    (a run cut short by the end of a session is lost: the cheaper ones land first); then the arms that test the noise scale's miss and the
+    regime: clipping off, the L2 loss, a cosine LR decay, med-ddpm's epsilon-prediction regime."""
     out = []
     for seed in (0, 1, 2):
         for micro in (2, 1):
             for k in KS:
-                out.append(("main", {"train.batch_size": micro, "train.accumulate_every": k,
+                out.append(("main", {**SAMPLES, "train.batch_size": micro, "train.accumulate_every": k,
                                      "train.lr_scaling": "none", "seed": seed}))
         if seed < 2:
             for rule in ("sqrt", "linear", "sde"):
                 for k in (1, 8):  # reference_batch 4 = micro-batch 2 x k 2: k 1 and 8 are the rules' extremes
-                    out.append((f"lr-{rule}", {"train.batch_size": 2, "train.accumulate_every": k,
+                    out.append((f"lr-{rule}", {**SAMPLES, "train.batch_size": 2, "train.accumulate_every": k,
                                                "train.lr_scaling": rule, "seed": seed}))
+    micro1 = {**EQUAL_STEPS, "train.batch_size": 1, "train.lr_scaling": "none"}
+    for seed in (0, 1, 2):
+        for k in (2, 4, 8):
+            out.append(("steps", {**micro1, "train.accumulate_every": k, "seed": seed}))
+    for seed in (0, 1):
+        for k in (1, 8):
+            out.append(("steps-noclip", {**micro1, "train.accumulate_every": k, "train.grad_clip": 0.0, "seed": seed}))
+            out.append(("steps-l2", {**micro1, "train.accumulate_every": k, "diffusion.loss": "l2", "seed": seed}))
+            out.append(("steps-cosine", {**micro1, "train.accumulate_every": k, "train.lr_schedule": "cosine",
+                                         "train.lr_min": 1.0e-5, "seed": seed}))
     return out
 
 
@@ -49,6 +67,7 @@ def archived() -> list[dict]:
 
 def is_archived(overrides: dict, done: list[dict]) -> bool:
     want = {k: str(v) for k, v in {**COMMON, **overrides}.items() if not k.startswith("mlflow.")}
+    # Keys added after a run was archived are at their default there (constant LR, clipping on, L1).
     return any(all(p.get(k) == v for k, v in want.items()) for p in done)
 
 

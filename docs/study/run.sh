@@ -3,15 +3,15 @@
 # through the DVC experiment queue, each finished run exported to docs/study/runs/<run id>.json, then
 # the reports rebuilt from that archive alone. Resumable: runs already archived are skipped, so the
 # study accumulates across sessions (commit docs/study/runs after each). STUDY_MAX_RUNS=N queues at
-# most N of the missing runs. About 5 minutes per run on 2 CPU cores.
+# most N of the missing runs. STUDY_CPUS=0 pins the queue's trainings to core 0 with one thread (so
+# that other work on the other core leaves their wall time alone). About 5 minutes per equal-samples
+# run on 2 CPU cores; the 1536-step runs take 1536 x k samples (k = 8: about 45-60 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH"
 EXP=$(python -c "import sys; sys.path.insert(0, 'docs/study'); import grid; print(grid.EXPERIMENT)")
-BUDGET=$(python -c "import sys; sys.path.insert(0, 'docs/study'); import grid; print(grid.BUDGET)")
 export_runs() {
-  voxdiff export --experiment "$EXP" --filter "params.\`train.max_samples\` = '$BUDGET'" \
-    --out docs/study/runs >/dev/null 2>&1 || true
+  voxdiff export --experiment "$EXP" --out docs/study/runs >/dev/null 2>&1 || true
 }
 
 git diff --quiet HEAD -- src stages dvc.yaml params.yaml || { echo "commit your changes first: queued runs use committed files" >&2; exit 1; }
@@ -23,7 +23,12 @@ while read -r overrides; do
   dvc exp run --queue $overrides >/dev/null
 done < .study-queue
 rm -f .study-queue
-dvc queue start -j 1
+if [ -n "${STUDY_CPUS:-}" ]; then
+  # The queue's worker and the trainings it starts inherit the affinity and the thread count.
+  OMP_NUM_THREADS=$(tr ',' '\n' <<<"$STUDY_CPUS" | wc -l) taskset -c "$STUDY_CPUS" dvc queue start -j 1
+else
+  dvc queue start -j 1
+fi
 # Export each run as soon as it finishes (when the queue's count of finished runs goes up), so an
 # interrupted study keeps every run that completed.
 done_before=0
