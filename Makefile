@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed-stamp
 # pip on some machines prints one warning per unreachable local index: keep the output readable.
 QUIET_PIP := grep -v -e 'is ignored: it is neither a file nor a directory' || true
 export PATH := $(BIN):$(PATH)
+# What the demo tells you to try next, as it prints it: full paths, so they run without activating .venv
+# (stages re-run themselves with .venv's python: stages/_entry.py). tests/test_e2e_dvc.py runs TRY_EXP.
+TRY_EXP := $(BIN)/dvc exp run -S train.accumulate_every=4
+TRY_COMPARE := $(BIN)/voxdiff compare --out reports/compare.md
+MLFLOW_UI := $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 
 .PHONY: demo test bench sweep study study-report ui-shot doctor lock clean-outputs help
 
@@ -31,10 +36,11 @@ $(STAMP): requirements.lock pyproject.toml
 demo: $(STAMP)
 	@test -d .git || (git init -q && git add -A && git commit -qm "voxdiff: initial" )
 	@start=$$(date +%s); $(BIN)/dvc repro; echo "pipeline: $$(( $$(date +%s) - start )) s"
-	@echo; echo "== metrics (all fields: dvc metrics show) =="; $(BIN)/voxdiff metrics
-	@echo; echo "Open MLflow:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db   (then http://127.0.0.1:5000)"
+	@echo; echo "== metrics (every field: metrics/train_detail.json, metrics/eval_detail.json) =="; $(BIN)/voxdiff metrics
+	@echo; echo "Open MLflow:  $(MLFLOW_UI)   (then http://127.0.0.1:5000, experiment voxdiff:"
+	@echo "             Views (top right) > 'accumulate_every at equal samples (voxdiff)', then the chart button)"
 	@echo "Look at:     plots/eval/*.png (generated volumes next to the real one), plots/convergence.png"
-	@echo "Try:         $(BIN)/dvc exp run -S train.accumulate_every=4   and   $(BIN)/voxdiff compare --out reports/compare.md"
+	@echo "Try:         $(TRY_EXP)   and   $(TRY_COMPARE)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -25,6 +25,7 @@ E2E = {**TINY, "data.label_values": [0, 1, 2, 3], "data.subjects": 4, "data.synt
 # One file whose edit must not retrain (report code) and one that reruns the train stage (training code).
 UNRELATED_TO_TRAINING = "src/voxdiff/report/compare.py"
 TRAINING_CODE = "src/voxdiff/training/trainer.py"
+RECORDING_CODE = "src/voxdiff/tracking/runs.py"  # a train dep outside the code hash (codehash.RECORDING_ONLY)
 
 
 def sh(repo: Path, *cmd: str, check: bool = True, env=None) -> subprocess.CompletedProcess:
@@ -49,7 +50,7 @@ def make_repo(path: Path, overrides: dict | None = None) -> Path:
     for name in ("stages", "src"):
         shutil.copytree(REPO / name, path / name, ignore=ignore)
     shutil.copytree(REPO / "data" / "mni152", path / "data" / "mni152")
-    for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
+    for name in ("dvc.yaml", ".gitignore", ".dvcignore", "Makefile"):
         if (REPO / name).exists():
             shutil.copy(REPO / name, path / name)
     (path / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**E2E, **(overrides or {})}), sort_keys=False))
@@ -86,17 +87,41 @@ def mlflow_runs(repo: Path) -> list:
     return client, runs
 
 
+def without_venv(path: str) -> str:
+    """PATH as a shell has it before `source .venv/bin/activate`: no entry into this project's .venv."""
+    venv = (REPO / ".venv").resolve()
+    return os.pathsep.join(p for p in path.split(os.pathsep)
+                           if p and not Path(p).resolve().is_relative_to(venv) and Path(p) != Path(sys.executable).parent)
+
+
+def make_variable(repo: Path, name: str) -> str:
+    """A variable of the repo's Makefile, as `make demo` prints it."""
+    return sh(repo, "make", "-s", "--no-print-directory", "--eval", "print-%: ; @echo $($*)", f"print-{name}").stdout.strip()
+
+
+def show_width(repo: Path, *args: str) -> tuple[int, str]:
+    """The widest line of `dvc exp show --no-pager ...` when the terminal never squeezes the table."""
+    env = {**repo_env(repo), "COLUMNS": "100000"}
+    out = sh(repo, "dvc", "exp", "show", "--no-pager", *args, env=env).stdout
+    return max(len(line) for line in out.splitlines()), out
+
+
 def test_pipeline_repro_experiments_and_queue(tmp_path):
-    repo = make_repo(tmp_path / "proj")
+    repo = make_repo(tmp_path / "proj", {"evaluate.samples_per_condition": 2})  # 2: a diversity figure
 
     # 1. dvc repro runs the four stages and produces every declared output.
     out = sh(repo, "dvc", "repro")
     for stage in ("prepare", "preprocess", "train", "evaluate"):
         assert f"Running stage '{stage}'" in out.stdout
     for path in ("data/raw/index.json", "data/processed/images.npy", "data/processed/preview.png",
-                 "models/checkpoint.pt", "metrics/train.json", "metrics/eval.json", "plots/convergence.png"):
+                 "models/checkpoint.pt", "metrics/train.json", "metrics/eval.json", "plots/convergence.png",
+                 "metrics/train_detail.json", "metrics/eval_detail.json", "metrics/checkpoint.json"):
         assert (repo / path).is_file(), path
-    train = json.loads((repo / "metrics/train.json").read_text())
+    # The DVC metrics are a few figures (tracking/dvc_metrics.py); every field is in the detail files.
+    assert set(json.loads((repo / "metrics/train.json").read_text())) == {"val_loss", "plateau", "samples", "samples/s"}
+    assert set(json.loads((repo / "metrics/eval.json").read_text())) == {"ssim", "ssim_floor", "diversity",
+                                                                         "diversity_ref"}
+    train = json.loads((repo / "metrics/train_detail.json").read_text())
     assert train["total_samples"] == 16 and train["effective_batch_size"] == 2
     client, runs = mlflow_runs(repo)
     assert len(runs) == 1 and runs[0].info.run_id == train["mlflow_run_id"]
@@ -116,30 +141,68 @@ def test_pipeline_repro_experiments_and_queue(tmp_path):
     status = sh(repo, "dvc", "status", "train").stdout
     assert "changed" not in status, status
     (repo / "params.yaml").write_text(params_text)
-    # ... and a code edit that does rerun the stage keeps the finished model of the same configuration.
-    trainer_py = repo / TRAINING_CODE
-    trainer_py.write_text(trainer_py.read_text() + "\n# a comment\n")
+    # ... an edit to recording code reruns the stage, which keeps the finished model ...
+    recording = repo / RECORDING_CODE
+    recording.write_text(recording.read_text() + "\n# a comment\n")
     rerun = sh(repo, "dvc", "repro", "train")
     assert "Running stage 'train'" in rerun.stdout and "nothing to train" in rerun.stderr
     assert ckpt.read_bytes() == before
-    assert json.loads((repo / "metrics/train.json").read_text())["mlflow_run_id"] == train["mlflow_run_id"]
+    assert json.loads((repo / "metrics/train_detail.json").read_text())["mlflow_run_id"] == train["mlflow_run_id"]
+    # ... and an edit to the training code trains again: the old weights do not stand for new code.
+    trainer_py = repo / TRAINING_CODE
+    trainer_py.write_text(trainer_py.read_text() + "\n# a fix\n")
+    retrain = sh(repo, "dvc", "repro", "train")
+    assert "training code" in retrain.stderr and "nothing to train" not in retrain.stderr
+    retrained = json.loads((repo / "metrics/train_detail.json").read_text())
+    assert retrained["mlflow_run_id"] != train["mlflow_run_id"]
+    train = retrained
 
-    # 3. dvc exp run -S: an MLflow run named after the DVC experiment with the new setting.
+    # 3. The demo's next command exactly as `make demo` prints it (Makefile TRY_EXP), from a shell whose
+    # PATH lacks the venv, as on a fresh clone after `make demo`: PATH's python3 has no torch, so every
+    # stage re-runs itself with .venv's python (stages/_entry.py). An MLflow run named after the DVC
+    # experiment, with the new setting.
+    sh(repo, "dvc", "repro")  # evaluate too: the baseline's dvc.lock and metrics are what experiments compare to
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "baseline", check=False)
-    exp = sh(repo, "dvc", "exp", "run", "-S", "train.accumulate_every=4", "-n", "acc4")
+    (repo / ".venv").symlink_to(REPO / ".venv", target_is_directory=True)  # the .venv `make demo` made
+    with open(repo / ".git" / "info" / "exclude", "a") as fh:
+        fh.write(".venv\n")
+    try_exp = make_variable(repo, "TRY_EXP")
+    assert try_exp == f"{repo.resolve()}/.venv/bin/dvc exp run -S train.accumulate_every=4"
+    bare = {**repo_env(repo), "PATH": without_venv(os.environ.get("PATH", ""))}
+    no_deps = subprocess.run(["python3", "-c", "import torch"], env=bare, capture_output=True)
+    assert no_deps.returncode != 0, "python3 on the PATH without the venv must lack torch for this test"
+    exp = sh(repo, "bash", "-c", try_exp, env=bare)
     assert "Running stage 'train'" in exp.stdout and "Running stage 'prepare'" not in exp.stdout
+    assert "Traceback" not in exp.stderr
     client, runs = mlflow_runs(repo)
-    acc4 = [r for r in runs if r.info.run_name == "acc4"]
+    acc4 = [r for r in runs if r.data.params["train.accumulate_every"] == "4"]
     assert len(acc4) == 1
     p = acc4[0].data.params
     assert p["train.accumulate_every"] == "4" and p["effective_batch_size"] == "4"
-    assert acc4[0].data.tags["voxdiff.dvc_exp_name"] == "acc4"
+    name = acc4[0].data.tags["voxdiff.dvc_exp_name"]
+    assert name and acc4[0].info.run_name == name and name in sh(repo, "dvc", "exp", "ls", "--name-only").stdout
     val_steps = [m.step for m in client.get_metric_history(acc4[0].info.run_id, "val_loss")]
     assert len(val_steps) >= 2 and len(set(val_steps)) == len(val_steps)
+    # ... and its other half, `voxdiff compare`, also verbatim, gives the MLflow view of the same runs.
+    compare = sh(repo, "bash", "-c", make_variable(repo, "TRY_COMPARE"), env=bare)
+    assert (repo / "reports" / "compare.md").is_file()
+    assert "MLflow view of the same runs and groups against samples seen: http://127.0.0.1:5000/#/experiments/" in compare.stdout
     show = sh(repo, "dvc", "exp", "show", "--csv")
     header = show.stdout.splitlines()[0]
-    assert "train.accumulate_every" in header and "final_val_loss" in header
+    assert "train.accumulate_every" in header and "val_loss" in header and "final_val_loss" not in header
+
+    # 4. A 2-run grid from the committed baseline: `dvc exp show --only-changed` fits a 160-column
+    # terminal. Before the DVC metrics were split it was 2467 characters wide (70 metric columns and a
+    # 32-character hash for each of models/checkpoint.pt and metrics/train.json).
+    run_queue(repo, "train.accumulate_every=1,8", jobs=1)
+    width, table = show_width(repo, "--only-changed")
+    assert width <= 160, table
+    lines = table.splitlines()
+    assert "checkpoint" in lines[1] and "models/checkpoint.pt" not in table and "val_loss" in lines[1]
+    assert len([l for l in lines if "[" in l]) >= 3, table  # the Try line's experiment and the grid's two
+    narrow = sh(repo, "dvc", "exp", "show", "--no-pager", "--only-changed", env={**repo_env(repo), "COLUMNS": "160"})
+    assert "…" not in narrow.stdout, narrow.stdout  # nothing cut at 160 columns
 
 
 def test_queued_grid_creates_one_run_each(tmp_path):

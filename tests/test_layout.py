@@ -61,3 +61,24 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+def test_bytecode_caches_are_not_part_of_directory_dependencies(tmp_path):
+    """Python writes __pycache__/ into src/voxdiff/<package> when anything imports it (a stage, `voxdiff
+    compare` through the editable install): in a directory dependency's hash it would mark `train` and
+    `evaluate` changed and add hash columns to `dvc exp show --only-changed`."""
+    import shutil
+    import subprocess
+    import sys
+
+    dvc = Path(sys.executable).parent / "dvc"
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([str(dvc), "init", "-q"], cwd=tmp_path, check=True)
+    shutil.copy(REPO / ".dvcignore", tmp_path / ".dvcignore")
+    pyc = tmp_path / "src" / "voxdiff" / "training" / "__pycache__" / "train.cpython-311.pyc"
+    pyc.parent.mkdir(parents=True)
+    pyc.write_bytes(b"")
+    (tmp_path / "src" / "voxdiff" / "training" / "train.py").write_text("")
+    out = subprocess.run([str(dvc), "check-ignore", str(pyc.relative_to(tmp_path)), "src/voxdiff/training/train.py"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.stdout.split() == [str(pyc.relative_to(tmp_path))]

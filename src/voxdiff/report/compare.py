@@ -2,8 +2,10 @@
 
 Reads the training runs that the trainer logged to MLflow, groups them by the param, and writes a
 Markdown report with figures: validation loss against optimizer steps, samples seen and wall time;
-a table per setting; the measured gradient noise scale and the accumulate_every it implies; and a
-plain-language reading that only calls a difference real when the seeds' spread supports it.
+a table per setting (with each run's last-quarter change and plateau verdict, voxdiff.convergence); the
+measured gradient noise scale and the accumulate_every it implies; the critical batch measured from
+steps-to-target; and a plain-language reading that only calls a difference real when the seeds' spread
+supports it. Re-runs of an identical configuration (the same seed trained again) are left out, by name.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from voxdiff.errors import VoxdiffError
 from voxdiff.fsutil import project_relative, project_root, write_text
 from voxdiff.report.loading import find_training_runs, load_run, open_client, read_archive, write_archive
 from voxdiff.tracking.uri import display_uri
-from voxdiff.report.rendering import (bucket_section, phase_section, make_figures, mean_std, messages_for, noise_scale_section, reached_cell,
-                                      reading_section, render_report)
-from voxdiff.report.statistics import GroupSummary, default_target, group_runs, summarize_group
+from voxdiff.report.rendering import (bucket_section, critical_batch_section, phase_section, make_figures, mean_std,
+                                      messages_for, noise_scale_section, reached_cell, reading_section, render_report)
+from voxdiff.report.statistics import (GroupSummary, default_target, drop_reruns, group_runs, reruns_note,
+                                       summarize_group)
 
 MAX_TAG_CHARS = 8000  # MLflow's limit on a tag value
 
@@ -36,6 +39,8 @@ class CompareResult:
     balanced_accumulate_every: int | None
     messages: list[str]
     compare_run_id: str | None
+    view_url: str | None = None  # the same runs and groups in the MLflow UI (tracking/views.py)
+    view_server: str | None = None  # the command that serves it, for a store that is not a server
 
     def terminal_table(self) -> str:
         head = ["setting", "seeds", "final val loss", "steps→target", "samples→target", "time→target s",
@@ -89,10 +94,11 @@ def compare_runs(tracking_uri: str | None, experiment: str | None, out_path: str
         exp, found, unfinished_note = find_training_runs(client, experiment, filter_string, tracking_uri)
         runs = sorted((load_run(client, r) for r in found), key=lambda r: (r.start_time, r.run_id))
         source = f"MLflow store `{display_uri(tracking_uri, root)}`"
+    runs, reruns = drop_reruns(runs)  # the same configuration trained again is not another seed
     by_key = group_runs(runs, group_by)
     target = target_val_loss if target_val_loss is not None else default_target(runs)
     groups = [summarize_group(k, rs, target) for k, rs in by_key.items()]
-    messages = messages_for(groups, runs, group_by, unfinished_note)
+    messages = messages_for(groups, runs, group_by, unfinished_note, reruns_note(reruns))
     noise_lines, b_noise, k_star = noise_scale_section(groups, runs, group_by)
     buckets = bucket_section(by_key, group_by)
     if buckets:
@@ -101,11 +107,41 @@ def compare_runs(tracking_uri: str | None, experiment: str | None, out_path: str
     text = render_report(experiment=experiment, source=source, group_by=group_by,
                          filter_string=filter_string, groups=groups, by_key=by_key, runs=runs, target=target,
                          target_given=target_val_loss is not None, figures=figures, messages=messages,
-                         noise_lines=noise_lines, reading_lines=reading_section(groups, runs, group_by, target))
+                         noise_lines=noise_lines, reading_lines=reading_section(groups, runs, group_by, target),
+                         critical_lines=critical_batch_section(runs, b_noise))
     write_text(out_path, text)
     run_id = (log_report(client, exp.experiment_id, group_by, filter_string, target,
                          [r.run_id for r in runs], [out_path, *figures]) if log and client is not None else None)
-    return CompareResult(out_path, figures, group_by, groups, target, b_noise, k_star, messages, run_id)
+    url = save_compare_view(client, exp.experiment_id, tracking_uri, group_by, filter_string,
+                            [r.run_id for r in runs]) if run_id else None
+    served = url is not None and not tracking_uri.startswith(("http://", "https://"))
+    return CompareResult(out_path, figures, group_by, groups, target, b_noise, k_star, messages, run_id, url,
+                         f"{mlflow_command()} ui --backend-store-uri {tracking_uri}" if served else None)
+
+
+def mlflow_command() -> str:
+    """`mlflow` when the one on PATH is ours, else the full path of the one next to this Python (a
+    `.venv/bin/voxdiff compare` run without the venv activated): the hint must run as printed."""
+    import shutil
+    import sys
+
+    ours = Path(sys.executable).parent / "mlflow"
+    on_path = shutil.which("mlflow")
+    if not ours.exists() or (on_path and Path(on_path).resolve() == ours.resolve()):
+        return "mlflow"
+    return str(ours)
+
+
+def save_compare_view(client, experiment_id: str, tracking_uri: str, group_by: str, filter_string: str | None,
+                      run_ids: list[str]) -> str:
+    """The MLflow UI view of exactly these runs grouped by `group_by`, against samples seen and training
+    time (tracking/views.py); its address under the store's server, or under `mlflow ui`'s default."""
+    from voxdiff.tracking import views
+
+    key = views.save_view(client, experiment_id, views.compare_key(group_by), f"voxdiff compare: {group_by}",
+                          views.view_state(group_by, run_ids, filter_string))
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return base + views.view_path(experiment_id, key)
 
 
 def parse_param_filter(filter_string: str | None) -> dict[str, str]:
@@ -162,6 +198,9 @@ def _echo_result(result: CompareResult) -> None:
                    f"{result.balanced_accumulate_every}")
     click.echo(f"report: {result.report_path}" + (f" (MLflow run {result.compare_run_id})"
                                                    if result.compare_run_id else ""))
+    if result.view_url:
+        click.echo(f"MLflow view of the same runs and groups against samples seen: {result.view_url}"
+                   + (f"   (served by `{result.view_server}`)" if result.view_server else ""))
 
 
 @click.command("export")

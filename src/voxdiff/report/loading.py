@@ -167,6 +167,40 @@ def export_record(client, run, experiment: str) -> dict:
     }
 
 
+def import_record(client, experiment_id: str, record: dict, skip_prefixes: tuple[str, ...] = ("system/",)) -> str:
+    """Log an archived run (export_record) into a store as a finished run: its params, tags and every
+    metric history at its own steps, each point timestamped start_time + wall_time (so MLflow's time axes
+    read training time), plus the x-axis metrics of the MLflow comparison view (tracking/views.py) that
+    archives written before it lack. Returns the new run's id. For screenshots and sharing a study; the
+    archive stays the record (`voxdiff compare --runs` reads it directly)."""
+    from mlflow.entities import Metric, Param
+
+    from voxdiff.tracking.views import val_axis_metrics
+
+    start = int(record.get("start_time") or 0)
+    run = client.create_run(experiment_id, start_time=start or None, run_name=record.get("run_name"),
+                            tags={k: str(v) for k, v in record["tags"].items()})
+    rid = run.info.run_id
+    params = [Param(k, str(v)) for k, v in record["params"].items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(rid, params=params[i:i + 100])
+    histories = {k: rows for k, rows in record["histories"].items() if not k.startswith(skip_prefixes)}
+    points = []
+    for key, rows in histories.items():
+        points += [(key, step, wall, value) for step, _, wall, value in rows]
+    if "val_samples_seen" not in histories:
+        for step, samples, wall, value in histories.get("val_loss", []):
+            extra = val_axis_metrics({"val_loss": value, "samples_seen": samples, "wall_time": wall})
+            points += [(k, step, wall, v) for k, v in extra.items()]
+    metrics = [Metric(k, float(v), start + int(1000 * (wall or 0)), int(step)) for k, step, wall, v in points
+               if v is not None and math.isfinite(v)]
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(rid, metrics=metrics[i:i + 1000])
+    wall_end = max((w for _, _, w, _ in points if w is not None), default=0.0)
+    client.set_terminated(rid, record.get("status", "FINISHED"), end_time=start + int(1000 * wall_end) or None)
+    return rid
+
+
 def record_to_run(record: dict) -> RunData:
     histories = {k: {int(row[0]): float(row[3]) for row in rows} for k, rows in record["histories"].items()}
     return run_data(record["run_id"], record["params"], record["tags"], record["metrics"], histories,
