@@ -21,7 +21,8 @@ SRC = Path(__file__).resolve().parents[1]  # .../src
 TRAINING_MODULE = "voxdiff.training.train"
 # Code that only records or draws what training did: it cannot change a weight, so an edit to it
 # must not throw a finished run away (it is still a dep of the stage, which then rewrites outputs).
-RECORDING_ONLY = ("voxdiff.tracking", "voxdiff.report", "voxdiff.convergence")
+# The plan (`voxdiff train --plan`, and the disk check every training runs first) only measures and refuses.
+RECORDING_ONLY = ("voxdiff.tracking", "voxdiff.report", "voxdiff.convergence", "voxdiff.training.plan")
 
 
 def module_file(name: str) -> Path | None:

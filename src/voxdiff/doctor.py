@@ -28,18 +28,80 @@ def report(root: Path, params=None) -> list[tuple[str, str]]:
                                    f"auto picks {auto}: {why})"))
     except Exception as e:  # a bad device request is itself worth reporting
         lines.append(("device", f"error: {e}"))
-    if torch.cuda.is_available():
-        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-        lines.append(("cuda", f"{torch.version.cuda}, {torch.cuda.device_count()} device(s): {names}"))
-    else:
-        lines.append(("cuda", "not available"))
+    lines += gpu_lines()
     lines.append(("cpu", f"{os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}, "
                          f"capability {torch.backends.cpu.get_cpu_capability()}, "
                          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}"))
-    for name in ("torch", "monai", "mlflow", "dvc", "nibabel", "numpy"):
+    for name in ("torch", "monai", "mlflow", "dvc", "nibabel", "numpy", "nvidia-ml-py"):
         lines.append((name, _version(name)))
     lines += tracking_lines(root, params)
     return lines
+
+
+def gpu_lines() -> list[tuple[str, str]]:
+    """The GPUs: each CUDA device PyTorch sees (name, memory, compute capability), the machine's GPUs as
+    NVML (nvidia-ml-py) reports them (memory in use) and the driver; "no CUDA device" without one. Never
+    raises: a broken driver is itself worth reporting."""
+    import torch
+
+    lines: list[tuple[str, str]] = []
+    built = f"PyTorch built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build of PyTorch"
+    try:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as e:  # a driver/runtime mismatch
+        lines.append(("cuda", f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
+        count = 0
+    if count:
+        lines.append(("cuda", f"{count} device(s) visible to PyTorch ({built})"))
+        for i in range(count):
+            try:
+                props = torch.cuda.get_device_properties(i)
+                lines.append((f"cuda:{i}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB, compute capability "
+                                           f"{props.major}.{props.minor}"))
+            except Exception as e:
+                lines.append((f"cuda:{i}", f"error: {type(e).__name__}"))
+    elif not lines:
+        lines.append(("cuda", f"no CUDA device ({built})"))
+    lines += nvml_lines()
+    return lines
+
+
+def nvml_lines() -> list[tuple[str, str]]:
+    """Driver and per-GPU memory in use from NVML (the nvidia-ml-py package, also what MLflow's GPU system
+    metrics read); nothing when NVML has no driver to talk to (no NVIDIA GPU)."""
+    try:
+        import pynvml
+    except ImportError:
+        return [("nvml", "nvidia-ml-py not installed (MLflow logs no GPU metrics)")]
+
+    def text(v) -> str:
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded: no NVIDIA driver here
+        return []
+    try:
+        driver = text(pynvml.nvmlSystemGetDriverVersion())
+        try:
+            cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+            driver += f", supports CUDA {cuda // 1000}.{cuda % 1000 // 10}"
+        except Exception:
+            pass
+        lines = [("driver", f"NVIDIA {driver}")]
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            lines.append((f"gpu {i}", f"{text(pynvml.nvmlDeviceGetName(handle))}, {mem.used / 2**30:.1f} of "
+                                      f"{mem.total / 2**30:.1f} GiB in use (NVML)"))
+        return lines
+    except Exception as e:
+        return [("nvml", f"error: {type(e).__name__}: {str(e)[:160]}")]
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
 
 
 def _version(module: str) -> str:

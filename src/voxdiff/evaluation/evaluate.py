@@ -105,7 +105,31 @@ def brain_ssim_and_cs(x: torch.Tensor, y: torch.Tensor, brain: np.ndarray, k: in
     centres = np.asarray(brain, bool)[tuple(slice(r, n - r) for n in brain.shape)]
     if not centres.any():
         return float("nan"), float("nan")
-    return float(smap[0, 0].numpy()[centres].mean()), float(cs[0, 0].numpy()[centres].mean())
+    return _brain_mean(smap, centres), _brain_mean(cs, centres)
+
+
+@contextlib.contextmanager
+def ieee_fp32(device):
+    """IEEE fp32 convolutions and matmuls on a CUDA device for the block (MONAI's SSIM runs in float32, and
+    its variances are differences of window means, E[x^2] - E[x]^2, which TF32's 10-bit mantissa, on by
+    train.tf32 and by PyTorch's default for cuDNN convolutions, would round away in flat regions)."""
+    if device is None or torch.device(device).type != "cuda":
+        yield
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # the switches training sets
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # (distributed.configure_backends)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _brain_mean(m: torch.Tensor, centres: np.ndarray) -> float:
+    """Mean of a [1, 1, D, H, W] map over the windows centred in the brain: with numpy on the CPU (as it
+    always was), on the map's device otherwise (CUDA: the mask goes there, not the map to the host)."""
+    if m.device.type == "cpu":
+        return float(m[0, 0].numpy()[centres].mean())
+    return float(m[0, 0][torch.from_numpy(centres).to(m.device)].mean())
 
 
 class BrainSSIM:
@@ -116,15 +140,18 @@ class BrainSSIM:
     pure noise scored 0.22-0.42 that way and scores ~0 here.
     """
 
-    def __init__(self, shape):
+    def __init__(self, shape, device=None):
         self.k = max(1, _odd_at_most(min(shape)))
+        # where the metrics run: None = on the CPU with numpy as ever; evaluate passes its CUDA device
+        self.device = torch.device(device) if device is not None else None
 
     def __call__(self, x: np.ndarray, y: np.ndarray, brain: np.ndarray) -> float:
-        return brain_ssim_and_cs(_vol(x), _vol(y), brain, self.k)[0]
+        with ieee_fp32(self.device):
+            return brain_ssim_and_cs(_vol(x, self.device), _vol(y, self.device), brain, self.k)[0]
 
 
-def ssim_metric(shape) -> BrainSSIM:
-    return BrainSSIM(shape)
+def ssim_metric(shape, device=None) -> BrainSSIM:
+    return BrainSSIM(shape, device)
 
 
 def msssim_config(shape) -> tuple[int, int, tuple[float, ...]]:
@@ -160,13 +187,18 @@ class BrainMSSSIM:
     are the same number. Scales and window: msssim_config; inputs: brain_filled (pairwise_msssim).
     """
 
-    def __init__(self, shape):
+    def __init__(self, shape, device=None):
         self.levels, self.k, self.weights = msssim_config(shape)
+        self.device = torch.device(device) if device is not None else None  # as BrainSSIM
 
     def __call__(self, x: np.ndarray, y: np.ndarray, brain: np.ndarray) -> float:
+        with ieee_fp32(self.device):
+            return self._score(x, y, brain)
+
+    def _score(self, x: np.ndarray, y: np.ndarray, brain: np.ndarray) -> float:
         import torch.nn.functional as F
 
-        x, y, brain = _vol(x), _vol(y), np.asarray(brain, bool)
+        x, y, brain = _vol(x, self.device), _vol(y, self.device), np.asarray(brain, bool)
         terms = []
         for level in range(self.levels):
             if level:
@@ -179,12 +211,13 @@ class BrainMSSSIM:
         return float(np.prod([max(t, 0.0) ** w for t, w in zip(terms, self.weights)]))
 
 
-def msssim_metric(shape) -> BrainMSSSIM:
-    return BrainMSSSIM(shape)
+def msssim_metric(shape, device=None) -> BrainMSSSIM:
+    return BrainMSSSIM(shape, device)
 
 
-def _vol(x: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.array(x, np.float32))[None, None]  # a copy: cache rows are read-only memmaps
+def _vol(x: np.ndarray, device=None) -> torch.Tensor:
+    v = torch.from_numpy(np.array(x, np.float32))[None, None]  # a copy: cache rows are read-only memmaps
+    return v if device is None else v.to(device)
 
 
 def masked(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:
@@ -201,7 +234,16 @@ def brain_filled(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:
 
 
 def fidelity(sample: np.ndarray, real: np.ndarray, brain: np.ndarray, ssim: BrainSSIM) -> dict:
-    """SSIM (windows centred in the brain), PSNR and MAE over the brain, of one sample against the real volume."""
+    """SSIM (windows centred in the brain), PSNR and MAE over the brain, of one sample against the real volume.
+    With a metric on a device (ssim.device: evaluate's CUDA device) all three are computed there, else with
+    numpy on the CPU, as always."""
+    if ssim.device is not None:
+        mask = torch.from_numpy(np.asarray(brain, bool)).to(ssim.device)
+        d = (_vol(sample, ssim.device) - _vol(real, ssim.device))[0, 0][mask].double()
+        mse = float(d.square().mean()) if d.numel() else float("nan")
+        return {"ssim": ssim(sample, real, brain),
+                "psnr": 10 * math.log10(DATA_RANGE ** 2 / mse) if mse > 0 else float("inf"),
+                "mae": float(d.abs().mean()) if d.numel() else float("nan")}
     diff = (sample - real)[brain].astype(np.float64)
     mse = float(np.mean(diff ** 2)) if diff.size else float("nan")
     return {
@@ -383,9 +425,11 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     for key in ("samples", "metrics", "plots"):
         _writable(out[key])
 
-    from voxdiff.training.distributed import pick_device
+    from voxdiff.training.distributed import configure_backends, pick_device
 
     device = pick_device(params.train.device)
+    configure_backends(device, params.train.tf32, params.train.deterministic)  # CUDA only: as training ran
+    metric_device = device if device.type == "cuda" else None  # SSIM, MS-SSIM, PSNR, MAE: on the GPU there
     net, _, diff_p = sampling.load_ema_network(state, device, source=out["checkpoint"], num_classes=cache.num_classes)
     C = cache.num_classes
     shape = tuple(cache.images.shape[1:])
@@ -435,11 +479,11 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     finally:
         bar.close()
 
-    reference = diversity_reference(params, cache, rows, msssim_metric(shape))
+    reference = diversity_reference(params, cache, rows, msssim_metric(shape, metric_device))
     if reference is None and not params.data.builtin:
         say("no diversity reference (eval_diversity_reference): it exists for the built-in data only")
-    metrics = measure(subjects, cache, val_rows, C, keys, shape, reference)
-    metrics.update(fidelity_floors(subjects, cache, ssim_metric(shape), params.seed))
+    metrics = measure(subjects, cache, val_rows, C, keys, shape, reference, metric_device)
+    metrics.update(fidelity_floors(subjects, cache, ssim_metric(shape, metric_device), params.seed))
     metrics["eval_beats_floors"] = int(beats_floors(metrics))
     metrics = {"eval_val_loss": val_loss, **metrics,
                "eval_seconds_per_volume": float(np.mean([x["seconds"] for x in records])),
@@ -448,7 +492,7 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
                "eval_samples_per_condition": K, "eval_checkpoint_step": int(state.get("step", 0)),
                "eval_checkpoint_samples_seen": int(state.get("samples_seen", 0))}
     if ev.ancestral:
-        ssim = ssim_metric(shape)
+        ssim = ssim_metric(shape, metric_device)
         metrics["eval_ssim_ancestral"] = float(np.mean([ssim(e["ancestral"], e["real"], e["label"] > 0)
                                                         for e in subjects]))
         metrics["eval_seconds_per_volume_ancestral"] = float(np.mean([x["seconds"] for x in records_a]))
@@ -484,18 +528,18 @@ def _fmt(value, digits: int) -> str:
 
 
 def measure(subjects: list[dict], cache: ProcessedCache, val_rows, C: int, keys: list[str], shape,
-            reference: float | None = None) -> dict:
+            reference: float | None = None, device=None) -> dict:
     """The sample metrics of the module docstring; ``reference`` (diversity_reference) is stored next to
-    the samples' diversity when there is one."""
+    the samples' diversity when there is one. SSIM, MS-SSIM, PSNR and MAE run on `device` (None: the CPU)."""
     from scipy.stats import wasserstein_distance
 
-    ssim = ssim_metric(shape)
+    ssim = ssim_metric(shape, device)
     fid = [fidelity(x, e["real"], e["label"] > 0, ssim) for e in subjects for x in e["samples"]]
     for e, chunk in zip(subjects, np.array_split(np.arange(len(fid)), len(subjects))):
         e["scores"] = [fid[i] for i in chunk]
     m: dict = {f"eval_{k}": float(np.mean([f[k] for f in fid])) for k in ("ssim", "psnr", "mae")}
 
-    ms = msssim_metric(shape)
+    ms = msssim_metric(shape, device)
     within = [pairwise_msssim(e["samples"], [e["label"] > 0] * len(e["samples"]), ms) for e in subjects]
     within = [w for w in within if w is not None]
     m["eval_msssim_samples"] = float(np.mean(within)) if within else None

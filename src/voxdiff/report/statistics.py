@@ -21,11 +21,12 @@ MEASUREMENT_ONLY_PREFIXES = ("train.phema_",)
 # afterwards (evaluate.*), and the trainer's measurement-only and operational keys (training/trainer.py:
 # MEASUREMENT_KEYS, OPERATIONAL_KEYS; tests/test_compare.py checks the two lists agree): validation and
 # noise-scale probes, post-hoc EMA profiles (tracked beside the model, never fed back into it), the
-# checkpoint cadence, the device and the precision asked for (the resolved precision, which does change
-# the numbers, is its own param and stays in).
+# checkpoint cadence, the device, torch.compile and the precision asked for (the resolved precision, which
+# does change the numbers, is its own param and stays in; so do train.tf32 and train.deterministic).
 NOT_TRAINING_PREFIXES = ("mlflow.", "evaluate.", "train.gns_", *MEASUREMENT_ONLY_PREFIXES)
 NOT_TRAINING_KEYS = {"train.val_every_samples", "train.val_draws", "train.val_seed", "train.checkpoint_every",
-                     "train.device", "device_resolved", "train.precision", "train.fp16_max_skipped_steps"}
+                     "train.device", "device_resolved", "train.precision", "train.fp16_max_skipped_steps",
+                     "train.compile"}
 # A tag that names what was trained on: the same params on other data are another configuration.
 TRAINING_TAGS = ("voxdiff.data_fingerprint",)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
 
 import torch
@@ -76,6 +77,15 @@ def pick_precision(requested: str, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
 
 
+# How long a rank waits in a collective for the others. Only rank 0 validates, probes the noise scale,
+# writes snapshots and checkpoints and talks to MLflow, while the other ranks wait in the next step's
+# all-reduce: NCCL's default (10 min) could be reached by a slow disk or a large probe at 128^3. One hour is
+# far above what each of those takes (`voxdiff train --plan` measures each and warns when one step's rank-0
+# work would exceed a quarter of this; MLflow calls are bounded by tracking/runs.py's 10 s HTTP timeout and
+# 1 retry), and still ends a run whose peer died instead of hanging forever.
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=60)
+
+
 def init_runtime(device: str, precision: str) -> Runtime:
     """Join the process group when started by torchrun (WORLD_SIZE > 1), else run as one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -84,10 +94,43 @@ def init_runtime(device: str, precision: str) -> Runtime:
     if world > 1 and not dist.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
     rank = dist.get_rank() if dist.is_initialized() else 0
     dtype = pick_precision(precision, dev)
     return Runtime(dev, rank, world, dtype, use_scaler=dtype is torch.float16)
+
+
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")  # the CUBLAS_WORKSPACE_CONFIG values cuBLAS is deterministic with
+
+
+def configure_backends(device: torch.device, tf32: bool = True, deterministic: bool = False) -> dict:
+    """The CUDA settings of train.tf32 and train.deterministic; returns what was set (for the log).
+
+    On CUDA: cudnn.benchmark (cuDNN times its algorithms once per shape and keeps the fastest: every
+    training step has the same shapes), TF32 for fp32 matmuls and convolutions unless `tf32` is false
+    (PyTorch's own defaults differ: cuDNN convolutions allow TF32, matmuls do not; false makes both IEEE
+    fp32), and with `deterministic` deterministic kernels only: torch.use_deterministic_algorithms (an op
+    without one raises), cudnn.deterministic, no benchmark (its choice can differ run to run), and
+    CUBLAS_WORKSPACE_CONFIG, which cuBLAS reads when its first handle is made (set it before any CUDA
+    matmul, as run_training does). On the CPU nothing is changed: these are process-wide switches of
+    the CUDA backends, and PyTorch's CPU kernels are deterministic already.
+    """
+    if device.type != "cuda":
+        return {}
+    # The legacy switches, not PyTorch 2.9's per-backend fp32_precision: in 2.13, setting
+    # torch.backends.cuda.matmul.fp32_precision makes torch.get_float32_matmul_precision() raise ("mix of
+    # the legacy and new APIs"), and inductor calls it when it compiles (codecache, select_algorithm), so
+    # train.compile would fail. These two touch CUDA only (set_float32_matmul_precision would also switch
+    # oneDNN's CPU matmuls) and the new getters read them back consistently (tests/test_cuda_settings.py).
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    if deterministic and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in DETERMINISTIC_CUBLAS:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS[0]
+    torch.use_deterministic_algorithms(deterministic, warn_only=False)
+    return {"tf32": tf32, "cudnn_benchmark": not deterministic, "deterministic": deterministic,
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")}
 
 
 def all_reduce_sum(values: list[float], rt: Runtime) -> list[float]:

@@ -9,12 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-from voxdiff.training import checkpoint, posthoc_ema
+from voxdiff.training import checkpoint, plan, posthoc_ema
 
 from voxdiff.codehash import training_code_hash
 from voxdiff.report import plots
 from voxdiff.data.cache import open_cache
-from voxdiff.training.distributed import Runtime, init_runtime, shutdown
+from voxdiff.training.distributed import Runtime, configure_backends, init_runtime, shutdown
 from voxdiff.errors import TrainingDiverged
 from voxdiff.fsutil import write_json, write_text
 from voxdiff.params import Params
@@ -51,6 +51,7 @@ def run_training(params: Params, root: Path, progress: bool | None = None, resta
     restart (or VOXDIFF_RESTART=1): train from scratch whatever models/checkpoint.pt holds."""
     rt = init_runtime(params.train.device, params.train.precision)
     try:
+        configure_backends(rt.device, params.train.tf32, params.train.deterministic)  # before any CUDA matmul
         return _run(params, Path(root), rt, progress, restart or os.environ.get("VOXDIFF_RESTART") == "1")
     finally:
         shutdown()
@@ -78,6 +79,9 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
         lost = trainer.phema.claim(out["checkpoint"], finished=bool(state and state.get("finished")))
         if lost:
             say(rt, lost)
+            # models/phema is a declared DVC output that the DVC cache does not hold (a finished run
+            # pulled or applied elsewhere): an empty folder lets the stage finish as "nothing to train".
+            trainer.phema.folder.mkdir(parents=True, exist_ok=True)
     if state is not None and state.get("finished"):
         # DVC reran the stage for a change that does not touch training (e.g. another stage's code):
         # the finished model stands; rewrite the stage's other outputs from it.
@@ -91,6 +95,10 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
             if tracker:  # an MLflow outage may have kept steps, the summary or the end from it
                 log_final(tracker, trainer, summary, out, root)
         return summary
+    if rt.is_main:  # up front and cheap (arithmetic and statvfs): refuse a run the disk cannot hold
+        plan.check_disk(plan.disk_needs(params, root, plan.network_sizes(trainer.net),
+                                        plan.count_events(params.train, rt.world_size, trainer.counters.step),
+                                        fresh_start=state is None))
     say(rt, f"device {rt.device}, precision {rt.precision}, world size {rt.world_size}; micro-batch "
             f"{budget.micro_batch} x accumulate_every {budget.accumulate_every} x {rt.world_size} = effective "
             f"batch {budget.effective_batch}; {budget.total_steps} steps, {budget.total_samples} samples")
@@ -193,7 +201,7 @@ def log_final(tracker: RunTracker, trainer: Trainer, summary: dict, out: dict[st
     tracker.log_summary(
         {k: v for k, v in summary.items()
          if k.startswith(("final_", "total_", "effective_", "peak_", "val_flattening", "phema_", "ema_sigma",
-                          "clip_fraction", "plateau_"))},
+                          "clip_fraction", "plateau_", "compile_"))},
         artifacts=[out["detail"], out["plot"], root / "params.yaml", root / "data" / "processed" / "preview.png"],
         tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"],
               "voxdiff.checkpoint_path": str(out["checkpoint"].relative_to(root))})
@@ -250,6 +258,7 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
         "measurement_changed_at_steps": [m["step"] for m in c.measurement_changes],
         "gns": trainer.gns.value if trainer.gns_reason is None else None,
         "gns_note": trainer.gns_reason or "", "device": str(rt.device), "precision": rt.precision,
+        "compile_seconds": trainer.compile_seconds,  # train.compile: this process's compile (first step less the second)
         "mlflow_run_id": tracker.run_id if tracker else run_id,
         "checkpoint_sha256": sha256_file(paths(trainer.root)["checkpoint"]) if rt.is_main else "",
         **(trainer.posthoc_val_losses() if rt.is_main else {}),

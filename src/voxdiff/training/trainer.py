@@ -37,8 +37,15 @@ MEASUREMENT_KEYS = ("val_every_samples", "val_draws", "val_seed", "gns_smoothing
                     "gns_bucket_samples", "gns_buckets_every_samples", "gns_probe_samples", "gns_ci_level",
                     "phema_eval_sigma_rels")
 # Where and how often the run is written and run: no effect on the trajectory. precision is not here
-# because its *resolved* value is part of the fingerprint (auto resolves per machine).
-OPERATIONAL_KEYS = ("checkpoint_every", "device", "precision", "fp16_max_skipped_steps")
+# because its *resolved* value is part of the fingerprint (auto resolves per machine). compile is: it runs
+# the same maths through other kernels (rounding differs at the last bits, as between two GPUs, and the
+# device is operational too), so a run may be resumed with or without it. tf32 and deterministic are NOT
+# here, so they stay in the fingerprint: tf32 changes the number format of every fp32 matmul and
+# convolution on CUDA (a 10-bit mantissa), like the precision, and a user turns it off to check exactness,
+# which a run made with it on must not stand for; deterministic is what a run-to-run equality claim rests
+# on, which a run resumed without it would break. On the CPU both are no-ops, so toggling them there
+# retrains for nothing; DVC reruns the stage for any train.* change anyway.
+OPERATIONAL_KEYS = ("checkpoint_every", "device", "precision", "fp16_max_skipped_steps", "compile")
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -108,6 +115,13 @@ class Trainer:
         if rt.world_size > 1 and self.gns_reason is None:
             self.local_grad = LocalGradNorm()
             self.model.register_comm_hook(self.local_grad, LocalGradNorm.hook)
+        # train.compile: the training forward/backward only (self.model, after DDP's wrap and hook: no_sync
+        # reaches DDP through the wrapper); validation, the probe, the EMA and clipping use self.net. The
+        # compile happens in the first step; compile_seconds = that step's time less the second's.
+        self.compile_seconds: float | None = None
+        self._first_step_s: float | None = None
+        if params.train.compile:
+            self.model = torch.compile(self.model)
         self.val_set = objective.val_draws(params.train.val_seed, len(self.val_rows), params.train.val_draws,
                                            params.diffusion.timesteps, (1, *self.shape))
 
@@ -194,7 +208,12 @@ class Trainer:
         c.step += 1
         c.samples_seen += n_window
         elapsed = time.perf_counter() - t0
-        c.wall_time += elapsed
+        c.wall_time += elapsed  # with train.compile, the compile too (compile_seconds says how much)
+        if self.p.train.compile and self.compile_seconds is None:
+            if self._first_step_s is None:
+                self._first_step_s = elapsed
+            else:
+                self.compile_seconds = max(0.0, self._first_step_s - elapsed)
         return {
             "step": c.step, "samples_seen": c.samples_seen, "wall_time": round(c.wall_time, 4),
             "train_loss": train_loss, "val_loss": None, "lr": self.opt.param_groups[0]["lr"],

@@ -1,0 +1,453 @@
+"""`voxdiff train --plan`: what a training will need and take, before it starts; and the disk check that
+every `voxdiff train` runs up front.
+
+The arithmetic (steps, samples, how many validations, probes, snapshots and checkpoints, the bytes of each
+file) follows the trainer's own rules: schedule.plan_budget and the same due-in-samples tests, walked over
+the budget step by step, and sizes from the network's tensors (a network on the meta device will do, so
+params-gpu.yaml's 41 M weights are planned without allocating them). The measurements are real: a few
+whole training steps at train.batch_size on the training's device and precision (the first, warm-up and
+any compile, left out of the step time), one validation pass, two of the probe's single-sample gradients,
+one checkpoint and one post-hoc EMA snapshot written to a temporary folder beside models/ and read back.
+Nothing under models/ is written, and no MLflow run is made.
+
+The disk check counts, per file system: the checkpoint twice (the previous one stays until the new one is
+complete), the post-hoc EMA snapshots still to take, DVC's cache copy of the checkpoint (`dvc repro` stores
+models/checkpoint.pt in .dvc/cache: a full copy unless cache.type links), and the EMA model MLflow stores
+when its artifacts are local; less what the run replaces (the present checkpoint and, on a fresh start,
+the snapshots of another run). When a file system cannot hold its part, training is refused in one line.
+
+Not part of the training's identity (codehash.RECORDING_ONLY): nothing here changes a weight.
+"""
+
+from __future__ import annotations
+
+import configparser
+import copy
+import dataclasses
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from voxdiff.errors import VoxdiffError
+from voxdiff.params import Params, Train, validate
+from voxdiff.training import posthoc_ema
+from voxdiff.training.schedule import due_in_samples, plan_budget
+
+# torch.save's zip format: per tensor a zip entry (local and central headers, 64-byte alignment) and its
+# pickle record; measured 360 B per tensor on the demo checkpoint (1,293 tensors).
+TENSOR_OVERHEAD_BYTES = 400
+# A snapshot file holds one profile's tensors under shorter names: 245 B per tensor measured on the tiny net.
+SNAPSHOT_TENSOR_OVERHEAD_BYTES = 260
+# One optimizer step's record in the checkpoint's history (15 numbers, keys memoised by pickle): 160 B on
+# the demo; a probe's record adds ~7 keys per timestep bucket and the marginal.
+HISTORY_BYTES_PER_STEP = 200
+PROBE_BYTES_PER_GROUP = 200
+# `voxdiff train --plan` warns when one step's rank-0 work (validation, probe, snapshot, checkpoint, while
+# the other ranks wait in the next all-reduce) would take more than this share of the process-group timeout.
+RANK0_TIMEOUT_SHARE = 0.25
+
+
+# --- the budget's events ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Events:
+    """What a run does from optimizer step `start_step` to the end of its budget."""
+    effective_batch: int
+    micro_batch: int
+    accumulate_every: int
+    world_size: int
+    total_steps: int
+    total_samples: int
+    start_step: int
+    validations: int   # train.val_every_samples crossings, and the end
+    probes: int        # train.gns_buckets_every_samples crossings, and the end (0 when off)
+    snapshots: int     # post-hoc EMA snapshots per profile (train.phema_snapshots points crossed)
+    checkpoints: int   # writes of models/checkpoint.pt: every train.checkpoint_every steps, and the end
+
+    @property
+    def steps(self) -> int:
+        return self.total_steps - self.start_step
+
+
+def count_events(train: Train, world_size: int = 1, start_step: int = 0) -> Events:
+    """Walk the budget's windows as the training loop does (train.py: run_sample_counted_events, save)."""
+    from voxdiff.training.trainer import due  # the checkpoint cadence's own test
+
+    b = plan_budget(train, world_size)
+    val = probe = snap = ckpt = 0
+    profiles = bool(train.phema_sigma_rels)
+    for step in range(start_step, b.total_steps):
+        window = b.window(step)
+        before, now, last = window.start, window.stop, step + 1 == b.total_steps
+        val += due_in_samples(before, now, train.val_every_samples, last)
+        probe += due_in_samples(before, now, train.gns_buckets_every_samples, last)
+        snap += profiles and posthoc_ema.snapshot_due(before, now, b.total_samples, train.phema_snapshots)
+        ckpt += due(step + 1, train.checkpoint_every, b.total_steps) and not last
+    if b.total_steps > start_step:
+        ckpt += 1  # the finished checkpoint
+    return Events(b.effective_batch, b.micro_batch, b.accumulate_every, world_size, b.total_steps, b.total_samples,
+                  start_step, val, probe, snap, ckpt)
+
+
+# --- sizes -----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The network's tensors: what every copy of it in a checkpoint or snapshot holds."""
+    weights: int          # elements of the floating tensors of its state_dict (parameters and buffers)
+    tensors: int          # how many such tensors
+    trainable: int        # elements of the parameters Adam updates (two fp32 moments each)
+    trainable_tensors: int
+
+
+def network_sizes(net: torch.nn.Module) -> Sizes:
+    state = [v for v in net.state_dict().values() if v.is_floating_point()]
+    params = [p for p in net.parameters() if p.requires_grad]
+    return Sizes(sum(v.numel() for v in state), len(state), sum(p.numel() for p in params), len(params))
+
+
+def sizes_for(params: Params, num_classes: int | None = None) -> Sizes:
+    """Sizes of params.yaml's network, built on the meta device (no memory for its weights)."""
+    from voxdiff.diffusion.model import build_network
+
+    with torch.device("meta"):
+        net = build_network(dataclasses.replace(params.model, activation_checkpointing=False),
+                            num_classes or params.data.num_classes)
+    return network_sizes(net)
+
+
+def checkpoint_bytes(sizes: Sizes, train: Train, events: Events) -> int:
+    """models/checkpoint.pt at the end of the run (Trainer.state): the weights, the EMA, each post-hoc EMA
+    profile, Adam's two moments, all in fp32, and the step history."""
+    profiles = len(train.phema_sigma_rels)
+    elements = sizes.weights * (2 + profiles) + 2 * sizes.trainable
+    tensors = sizes.tensors * (2 + profiles) + 3 * sizes.trainable_tensors + 1 + 2 * profiles  # + Adam's step,
+    history = events.total_steps * HISTORY_BYTES_PER_STEP + events.probes * PROBE_BYTES_PER_GROUP * (  # EMA's count
+        train.gns_buckets + (1 if train.gns_probe_samples else 0))
+    return 4 * elements + TENSOR_OVERHEAD_BYTES * tensors + history
+
+
+def snapshot_set_bytes(sizes: Sizes, train: Train) -> int:
+    """One snapshot point: every profile's weights in posthoc_ema.SNAPSHOT_DTYPE, one file each."""
+    profiles = len(train.phema_sigma_rels)
+    return (posthoc_ema.snapshot_bytes(sizes.weights, profiles, 1)
+            + SNAPSHOT_TENSOR_OVERHEAD_BYTES * sizes.tensors * profiles)
+
+
+# --- disk ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DiskNeed:
+    """What one file system must hold beyond what it holds now."""
+    folder: Path                  # the first folder named (the file system is that of its nearest existing parent)
+    items: list[tuple[str, int]]  # (what, bytes) written there
+    reclaimed: int                # bytes there now that the run replaces or removes
+    free: int
+
+    @property
+    def need(self) -> int:
+        return max(0, sum(b for _, b in self.items) - self.reclaimed)
+
+    @property
+    def ok(self) -> bool:
+        return self.need <= self.free
+
+
+def existing(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def dvc_cache_dir(root: Path) -> Path | None:
+    """Where `dvc repro` copies models/checkpoint.pt (its cache), or None: not a DVC project, or a
+    cache.type that links instead of copying."""
+    from voxdiff.fsutil import project_root
+
+    dvc = project_root(root) / ".dvc"
+    if not dvc.is_dir():
+        return None
+    cache, kind = dvc / "cache", ""
+    for name in ("config", "config.local"):
+        parser = configparser.ConfigParser(strict=False, interpolation=None)
+        try:
+            parser.read(dvc / name)
+        except configparser.Error:
+            continue
+        if parser.has_option("cache", "dir"):
+            cache = (dvc / parser.get("cache", "dir").strip().strip("'\"")).resolve()
+        if parser.has_option("cache", "type"):
+            kind = parser.get("cache", "type")
+    if kind and not any(k.strip() in ("copy", "reflink") for k in kind.split(",")):
+        return None  # hardlink / symlink: no second copy
+    return cache
+
+
+def mlflow_artifacts_dir(params: Params, root: Path) -> Path | None:
+    """The local folder of MLflow's artifacts for the default SQLite store (tracking/runs.py), else None."""
+    from voxdiff.tracking.uri import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(params, root)
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts"
+    if uri.startswith("file://") or "://" not in uri:
+        return Path(uri.removeprefix("file://"))
+    return None
+
+
+def disk_needs(params: Params, root: Path, sizes: Sizes, events: Events, fresh_start: bool = True) -> list[DiskNeed]:
+    """Per file system, what the run writes beyond what is there now (DiskNeed). fresh_start: the snapshots
+    now in models/phema are removed when the run starts (another run's, or none); otherwise they are this
+    run's own and only those still to take are counted."""
+    root = Path(root)
+    models = root / "models"
+    ckpt_file, phema_dir = models / "checkpoint.pt", models / "phema"
+    ckpt = checkpoint_bytes(sizes, params.train, events)
+    groups: dict[int, DiskNeed] = {}
+
+    def add(folder: Path, what: str, nbytes: int, reclaimed: int = 0) -> None:
+        here = existing(folder)
+        dev = os.stat(here).st_dev
+        if dev not in groups:
+            groups[dev] = DiskNeed(folder, [], 0, shutil.disk_usage(here).free)
+        groups[dev].items.append((what, nbytes))
+        groups[dev].reclaimed += reclaimed
+
+    present = ckpt_file.stat().st_size if ckpt_file.is_file() else 0
+    add(models, f"checkpoint 2 x {fmt_bytes(ckpt)} while one is written", 2 * ckpt, present)
+    if params.train.phema_sigma_rels and events.snapshots:
+        old = sum(f.stat().st_size for f in phema_dir.glob("*.pt")) if fresh_start and phema_dir.is_dir() else 0
+        add(phema_dir, f"post-hoc EMA snapshots {fmt_bytes(events.snapshots * snapshot_set_bytes(sizes, params.train))}",
+            events.snapshots * snapshot_set_bytes(sizes, params.train), old)
+    cache = dvc_cache_dir(root)
+    if cache is not None:
+        add(cache, f"DVC cache copy {fmt_bytes(ckpt)}", ckpt)
+    artifacts = mlflow_artifacts_dir(params, root)
+    if artifacts is not None:
+        add(artifacts, f"MLflow EMA model {fmt_bytes(4 * sizes.weights)}", 4 * sizes.weights)
+    return list(groups.values())
+
+
+def refusal(need: DiskNeed) -> str:
+    what = ", ".join(w for w, _ in need.items)
+    return (f"{existing(need.folder)}: not enough free disk for this training: it needs {fmt_bytes(need.need)} "
+            f"there ({what}{f', less {fmt_bytes(need.reclaimed)} it replaces' if need.reclaimed else ''}), "
+            f"{fmt_bytes(need.free)} are free; free some (e.g. `dvc gc -w`), lower train.phema_snapshots, or see "
+            "`voxdiff train --plan`")
+
+
+def check_disk(needs: list[DiskNeed]) -> None:
+    """Refuse (VoxdiffError, one line) when a file system cannot hold its part of the run."""
+    for need in needs:
+        if not need.ok:
+            raise VoxdiffError(refusal(need))
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 120:
+        return f"{s / 60:.1f} min"
+    return f"{s:.2f} s" if s < 10 else f"{s:.0f} s"
+
+
+# --- measurements ----------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device) -> tuple[float, object]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measuring_params(params: Params, steps: int) -> Params:
+    """params.yaml with a budget of exactly the measured steps, every window full."""
+    raw = copy.deepcopy(params.raw)
+    raw["train"].update(max_steps=steps, max_samples=0)
+    return validate(raw)
+
+
+def measure(trainer, steps: int, scratch_parent: Path) -> dict:
+    """Time `steps` + 1 training steps (the first is the warm-up: left out), one validation, two probe
+    gradients (the first warm), one checkpoint and one snapshot written (and the snapshot read) in a
+    temporary folder under `scratch_parent`; peak memory of the steps alone and of everything."""
+    from voxdiff.training.distributed import peak_memory_mb
+
+    dev, tr = trainer.rt.device, trainer.p.train
+    _reset_peak(dev)
+    times = [_timed(trainer.train_step, dev)[0] for _ in range(steps + 1)]
+    out = {"first_step_s": times[0], "step_s": statistics.median(times[1:]), "step_times_s": times,
+           "peak_memory_mb": peak_memory_mb(dev)}
+    out["validation_s"] = _timed(trainer.validation_loss, dev)[0]
+
+    params = [q for q in trainer.net.parameters() if q.requires_grad]
+    noise = torch.zeros((1, *trainer.shape))
+
+    def gradient():
+        loss = trainer.losses(trainer.net, *trainer.on_device([0], [trainer.p.diffusion.timesteps // 2], [noise])).sum()
+        return torch.autograd.grad(loss, params)
+
+    _timed(gradient, dev)
+    out["probe_gradient_s"] = _timed(gradient, dev)[0]
+    out["peak_memory_all_mb"] = peak_memory_mb(dev)
+    if trainer.rt.is_main:
+        with tempfile.TemporaryDirectory(prefix=".voxdiff-plan-", dir=existing(scratch_parent)) as tmp:
+            from voxdiff.training import checkpoint
+
+            path = Path(tmp) / "checkpoint.pt"
+            out["checkpoint_write_s"] = _timed(lambda: checkpoint.save(path, trainer.state(False, None)), dev)[0]
+            out["checkpoint_measured_bytes"] = path.stat().st_size
+            out["checkpoint_measured_history_steps"] = len(trainer.counters.history) or trainer.counters.step
+            path.unlink()
+            if trainer.phema is not None:
+                tracker = trainer.phema
+                folder, tracker.folder = tracker.folder, Path(tmp) / "phema"
+                try:
+                    out["snapshot_write_s"] = _timed(tracker.snapshot, dev)[0]
+                    files = list(tracker.folder.glob("*.pt"))
+                    out["snapshot_read_s"] = _timed(
+                        lambda: [torch.load(f, map_location="cpu", weights_only=True) for f in files], dev)[0]
+                finally:
+                    tracker.folder = folder
+                    tracker.taken = []
+    return out
+
+
+# --- the plan --------------------------------------------------------------------------------------
+def predict(events: Events, train: Train, m: dict, compile_: bool) -> dict:
+    """Seconds of each part of the run from the measurements, and their sum."""
+    probe_gradients = 2 * (train.gns_buckets * train.gns_bucket_samples + train.gns_probe_samples)
+    profiles = len(train.phema_sigma_rels)
+    parts = {
+        "training steps": events.steps * m["step_s"],
+        "validation": events.validations * m["validation_s"],
+        "noise-scale probe": events.probes * probe_gradients * m["probe_gradient_s"],
+        "checkpoints": events.checkpoints * m.get("checkpoint_write_s", 0.0),
+        "post-hoc EMA snapshots": events.snapshots * m.get("snapshot_write_s", 0.0),
+        # the end: every snapshot read once, then one validation per reconstructed length
+        "post-hoc EMA at the end": (events.snapshots * m.get("snapshot_read_s", 0.0)
+                                    + len(train.phema_eval_sigma_rels) * m["validation_s"]) if profiles else 0.0,
+    }
+    if compile_:
+        parts["torch.compile (first step)"] = max(0.0, m["first_step_s"] - m["step_s"])
+    rank0 = m["validation_s"] + (probe_gradients * m["probe_gradient_s"] if events.probes else 0.0) + m.get(
+        "snapshot_write_s", 0.0) + m.get("checkpoint_write_s", 0.0)
+    return {"parts": parts, "total_s": sum(parts.values()), "rank0_longest_s": rank0,
+            "probe_gradients": probe_gradients}
+
+
+def run_plan(params: Params, root: Path, steps: int = 3, echo=print) -> dict:
+    """Print the plan of `voxdiff train` for params.yaml (see the module docstring); raise VoxdiffError
+    after printing when the disk cannot hold the run. Returns the plan as a dict."""
+    from voxdiff.data.cache import open_cache
+    from voxdiff.training.distributed import (PROCESS_GROUP_TIMEOUT, configure_backends, init_runtime,
+                                              shutdown)
+    from voxdiff.training.trainer import Trainer
+
+    root = Path(root)
+    rt = init_runtime(params.train.device, params.train.precision)
+    try:
+        configure_backends(rt.device, params.train.tf32, params.train.deterministic)
+        cache = open_cache(root / "data" / "processed")
+        events = count_events(params.train, rt.world_size)
+        sizes = sizes_for(params, cache.num_classes)
+        needs = disk_needs(params, root, sizes, events)
+        trainer = Trainer(measuring_params(params, steps + 1), root, rt, cache)
+        m = measure(trainer, steps, root / "models")
+        del trainer
+        pred = predict(events, params.train, m, params.train.compile)
+        plan = {"device": str(rt.device), "precision": rt.precision, "world_size": rt.world_size,
+                "events": dataclasses.asdict(events), "sizes": dataclasses.asdict(sizes),
+                "checkpoint_bytes": checkpoint_bytes(sizes, params.train, events),
+                "snapshot_bytes": events.snapshots * snapshot_set_bytes(sizes, params.train)
+                if params.train.phema_sigma_rels else 0,
+                "dvc_cache_dir": str(dvc_cache_dir(root) or ""),
+                "disk": [{"folder": str(n.folder), "need": n.need, "free": n.free, "ok": n.ok,
+                          "items": n.items, "reclaimed": n.reclaimed} for n in needs],
+                "measured": m, "predicted": pred, "measured_steps": steps,
+                "process_group_timeout_s": PROCESS_GROUP_TIMEOUT.total_seconds()}
+        if rt.device.type == "cuda":
+            plan["device_memory_mb"] = torch.cuda.get_device_properties(rt.device).total_memory / 2**20
+        if rt.is_main:
+            for line in render(plan, params):
+                echo(line)
+        short = [n for n in needs if not n.ok]
+        if short:
+            raise VoxdiffError(refusal(short[0]))
+        return plan
+    finally:
+        shutdown()
+
+
+def render(plan: dict, params: Params) -> list[str]:
+    e, t, m, pred = plan["events"], params.train, plan["measured"], plan["predicted"]
+    n = plan["sizes"]["weights"]
+    rule = (f"{e['total_steps']} = ceil({e['total_samples']} / {e['effective_batch']})" if t.max_samples
+            else f"train.max_steps; {e['total_samples']} = {e['total_steps']} x {e['effective_batch']}")
+    mem_kind = "CUDA memory allocated" if plan["device"].startswith("cuda") else "the process's peak RSS: CPU"
+    lines = [
+        f"[voxdiff plan] device {plan['device']}, precision {plan['precision']}, world size {plan['world_size']}"
+        + (", torch.compile" if t.compile else "") + (", deterministic" if t.deterministic else ""),
+        f"  budget            {e['total_samples']} samples in {e['total_steps']} optimizer steps of effective batch "
+        f"{e['effective_batch']} (micro-batch {e['micro_batch']} x accumulate_every {e['accumulate_every']} x "
+        f"{e['world_size']} process{'es' if e['world_size'] > 1 else ''}; steps {rule})",
+        f"  events            {e['validations']} validations, {e['probes']} noise-scale probes, {e['snapshots']} post-hoc "
+        f"EMA snapshots per profile, {e['checkpoints']} checkpoint writes",
+        f"  network           {n / 1e6:.2f} M weights ({fmt_bytes(4 * n)} in fp32)",
+        f"  checkpoint        {fmt_bytes(plan['checkpoint_bytes'])} at the end (fp32: weights, EMA, "
+        f"{len(t.phema_sigma_rels)} post-hoc EMA profiles, Adam's 2 moments; + step history; a real one written now: "
+        f"{fmt_bytes(m.get('checkpoint_measured_bytes', 0))} after {m.get('checkpoint_measured_history_steps', 0)} "
+        f"steps); twice that while one is written",
+        f"  snapshots         {fmt_bytes(plan['snapshot_bytes'])} in models/phema ({n / 1e6:.2f} M x 2 B x "
+        f"{len(t.phema_sigma_rels)} profiles x {e['snapshots']})",
+        f"  DVC cache copy    " + (f"{fmt_bytes(plan['checkpoint_bytes'])} in {plan['dvc_cache_dir']} (dvc repro stores "
+                                   "models/checkpoint.pt there; `dvc gc -w` removes other runs')"
+                                   if plan["dvc_cache_dir"] else "none (not a DVC project, or cache.type links)"),
+    ]
+    for d in plan["disk"]:
+        lines.append(f"  disk              {existing(Path(d['folder']))}: needs {fmt_bytes(d['need'])}, "
+                     f"{fmt_bytes(d['free'])} free: {'ok' if d['ok'] else 'NOT ENOUGH'} ("
+                     + ", ".join(w for w, _ in d["items"])
+                     + (f", less {fmt_bytes(d['reclaimed'])} replaced" if d["reclaimed"] else "") + ")")
+    total = plan.get("device_memory_mb")
+    lines += [
+        f"  memory            peak {m['peak_memory_mb']:.0f} MB ({mem_kind}) in a training step at micro-batch "
+        f"{e['micro_batch']}, {m['peak_memory_all_mb']:.0f} MB with validation and the probe"
+        + (f", of {total:.0f} MB" if total else ""),
+        f"  step time         {fmt_seconds(m['step_s'])} (median of {plan['measured_steps']} steps after a warm-up step "
+        f"of {fmt_seconds(m['first_step_s'])}): {e['effective_batch'] / m['step_s']:.2f} samples/s",
+        f"  per event         validation {fmt_seconds(m['validation_s'])}, probe {pred['probe_gradients']} x "
+        f"{fmt_seconds(m['probe_gradient_s'])}, checkpoint {fmt_seconds(m.get('checkpoint_write_s', 0))}, snapshot "
+        f"{fmt_seconds(m.get('snapshot_write_s', 0))}",
+        "  predicted         " + " + ".join(f"{k} {fmt_seconds(v)}" for k, v in pred["parts"].items() if v > 0)
+        + f" = {fmt_seconds(pred['total_s'])}",
+    ]
+    timeout = plan["process_group_timeout_s"]
+    share = pred["rank0_longest_s"] / timeout
+    lines.append(f"  rank-0 pause      at most {fmt_seconds(pred['rank0_longest_s'])} in one step (validation, probe, "
+                 f"snapshot and checkpoint together; other ranks wait in the all-reduce) against a process-group "
+                 f"timeout of {fmt_seconds(timeout)}: "
+                 + ("ok" if share <= RANK0_TIMEOUT_SHARE else
+                    "TOO CLOSE: lower train.gns_bucket_samples / gns_probe_samples or val_draws before using torchrun"))
+    return lines
+
