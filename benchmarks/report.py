@@ -11,10 +11,12 @@ import argparse
 import json
 from pathlib import Path
 
-ORDER = ("memory", "accumulation", "data", "tracking", "gns", "sampling", "growth", "medddpm", "speed", "phema")
-GPU_NOTE = ("`benchmarks/gpu.sh` runs this suite on CUDA at med-ddpm's size (params-gpu.yaml: 128^3, 64 base channels, "
-            "batch 1, bf16 autocast), eager and with `torch.compile`. It has not been run: the machine that produced "
-            "these results has no GPU.")
+ORDER = ("memory", "accumulation", "data", "tracking", "gns", "sampling", "growth", "medddpm", "speed", "phema",
+         "advise")
+GPU_NOTE = ("`benchmarks/gpu.sh` measures voxdiff on CUDA at med-ddpm's size (params-gpu.yaml: 128^3, 64 base channels, "
+            "batch 1, bf16 autocast) in one short slot: eager and `torch.compile` step time, memory, accumulation "
+            "exactness, overheads, a loss curve (benchmarks/results-gpu.json). It has not been run: the machine that "
+            "produced these results has no GPU.")
 
 
 def fmt(v, unit: str | None = None) -> str:

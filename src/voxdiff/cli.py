@@ -40,21 +40,10 @@ def user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from voxdiff.errors import VoxdiffError
+        from voxdiff.errors import exit_on_user_error
 
         debug = click.get_current_context().find_root().params.get("debug", False)
-        try:
-            return fn(*args, **kwargs)
-        except VoxdiffError as e:
-            if debug:
-                raise
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-        except KeyboardInterrupt:
-            if debug:
-                raise
-            click.echo("interrupted", err=True)
-            sys.exit(130)
+        return exit_on_user_error(lambda: fn(*args, **kwargs), debug)
 
     return wrapper
 
@@ -73,7 +62,8 @@ def main(debug: bool) -> None:
       voxdiff train       3D conditional DDPM with exact gradient accumulation -> models/
       voxdiff evaluate    sample with the EMA model, fidelity/diversity/tissue metrics
     Then: voxdiff compare (report across runs; --runs reads an archive), voxdiff export (runs -> archive),
-    voxdiff sample (your own label map),
+    voxdiff sample (your own label map), voxdiff advise (what accumulate_every to set, measured on
+    your checkpoint),
     voxdiff metrics (the last run's figures), voxdiff doctor (environment for a bug report).
     All settings live in params.yaml.
     """
@@ -113,14 +103,29 @@ def preprocess(root, params_path):
 @_root_option
 @_params_option
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
+@click.option("--restart", is_flag=True, help="Train from scratch whatever models/checkpoint.pt holds (also: "
+              "VOXDIFF_RESTART=1 dvc repro). Without it an unreadable checkpoint is refused, not overwritten.")
+@click.option("--plan", is_flag=True, help="Do not train: print what the training will need and take (steps, "
+              "samples, checkpoint, snapshot and DVC-cache disk against the free disk, peak memory and step time "
+              "measured with a few real steps, predicted wall time) and exit; exit 2 when the disk cannot hold it.")
+@click.option("--plan-steps", type=click.IntRange(min=1), default=3, show_default=True,
+              help="With --plan: timed training steps (after one warm-up step).")
 @user_errors
-def train(root, params_path, progress):
+def train(root, params_path, progress, restart, plan, plan_steps):
     """Train the diffusion model on data/processed. Resumes an interrupted run of the same configuration
-    from models/checkpoint.pt. Multi-GPU/CPU: `torchrun --nproc_per_node N stages/train.py`."""
+    (params, data, resolved precision and training code) from models/checkpoint.pt; Ctrl-C or SIGTERM
+    stops at the end of the optimizer step with a checkpoint. Multi-GPU/CPU:
+    `.venv/bin/torchrun --nproc_per_node N stages/train.py` from the project root. Before training it checks
+    that the disk can hold the run (refused in one line otherwise); `--plan` shows the whole plan."""
+    root, params = _resolve(root, params_path)
+    if plan:
+        from voxdiff.training.plan import run_plan
+
+        run_plan(params, root, steps=plan_steps, echo=click.echo)
+        return
     from voxdiff.training.train import run_training
 
-    root, params = _resolve(root, params_path)
-    run_training(params, root, progress=progress)
+    run_training(params, root, progress=progress, restart=restart)
 
 
 @main.command()
@@ -129,7 +134,8 @@ def train(root, params_path, progress):
 @user_errors
 def evaluate(root, params_path):
     """Sample volumes for the validation label maps with the EMA weights (DDIM) and write
-    metrics/eval.json and montages; logs into the training's MLflow run."""
+    metrics/eval_detail.json (metrics/eval.json: the few figures for `dvc exp show`) and montages; logs into
+    the training's MLflow run."""
     from voxdiff.evaluation.evaluate import run_evaluate
 
     root, params = _resolve(root, params_path)
@@ -179,19 +185,16 @@ SUMMARY_ROWS = (
 @main.command()
 @_root_option
 def metrics(root):
-    """Print the main figures of the last run (metrics/train.json and metrics/eval.json); `dvc metrics
-    show` lists every field, `dvc exp show` compares experiments."""
-    import json
-
+    """Print the main figures of the last run (metrics/train_detail.json and metrics/eval_detail.json,
+    which hold every field); `dvc exp show --only-changed` compares experiments on the few figures of
+    metrics/train.json and metrics/eval.json."""
     from voxdiff.fsutil import repo_root
+    from voxdiff.tracking import dvc_metrics
 
     root = (root or repo_root()).resolve()
-    loaded = {}
-    for name in ("train.json", "eval.json"):
-        path = root / "metrics" / name
-        loaded[name] = json.loads(path.read_text()) if path.is_file() else {}
+    loaded = {f"{name}.json": dvc_metrics.read(root, name) for name in ("train", "eval")}
     if not any(loaded.values()):
-        click.echo("no metrics yet: run `dvc repro`", err=True)
+        click.echo("no metrics yet: run `make demo` (or `dvc repro` with .venv activated)", err=True)
         sys.exit(1)
     for name, key, label in SUMMARY_ROWS:
         value = loaded[name].get(key)
@@ -209,24 +212,17 @@ def metrics(root):
 
 def _register_optional() -> None:
     """Commands that live in their own modules. An import error there is a real bug: let it surface."""
+    from voxdiff.advise.command import advise_command
     from voxdiff.evaluation.sample import sample_command
     from voxdiff.report.compare import compare_command, export_command
 
-    for name, command in (("compare", compare_command), ("export", export_command), ("sample", sample_command)):
+    for name, command in (("compare", compare_command), ("export", export_command), ("sample", sample_command),
+                          ("advise", advise_command)):
         command.callback = user_errors(command.callback)  # one-line errors, as every other command
         main.add_command(command, name)
 
 
 _register_optional()
-
-
-def stage_main(command: str) -> None:
-    """Entry point of stages/<command>.py: run `voxdiff <command>` at the project root."""
-    root = Path(__file__).resolve().parents[2]
-    argv = [command, "--root", str(root), *sys.argv[1:]]
-    if os.environ.get("VOXDIFF_DEBUG"):
-        argv = ["--debug", *argv]
-    main.main(args=argv, prog_name=f"stages/{command}.py")
 
 
 if __name__ == "__main__":

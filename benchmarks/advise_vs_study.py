@@ -1,0 +1,242 @@
+"""Does `voxdiff advise` agree with the study's measured critical batch? (long: hours on 2 CPU cores)
+
+    .venv/bin/python benchmarks/advise_vs_study.py                 # micro-batch 2, seed 0
+    .venv/bin/python benchmarks/advise_vs_study.py --micro 1       # med-ddpm's micro-batch
+    .venv/bin/python benchmarks/advise_vs_study.py --phases 512    # one phase only
+
+What it does, in benchmarks/.scratch/advise_vs_study/ (nothing under the repository's data/, models/ or
+mlflow.db is touched):
+
+1. trains the study's configuration (params.yaml, micro-batch --micro x accumulate_every 1, seed --seed,
+   1536 samples: the study's k = 1 run) with the real Trainer and keeps a checkpoint at each phase the study
+   probed: early, middle, late = 512, 1024, 1536 samples (about 6 minutes of training in all);
+2. runs `voxdiff advise` (its default settings, branches at --micro x 1, 2, 4, 8) on each checkpoint
+   (about 4 minutes each);
+3. reads the study's own B_crit at the same phase from its archive (docs/study/runs: the 12 runs at this
+   micro-batch, no LR scaling): the val loss the k = 1 run of this seed had at the phase sets a window
+   [loss x 1.15, loss] just above it, and the optimizer steps each archived run took to cross the window
+   (from its upper to its lower edge, interpolated between validations) are fitted with
+   S = S_min (1 + B_crit / B) (convergence.bootstrap_critical_batch over the seeds). That is the local
+   trade-off at that loss, what the branches measure. Runs that never reach the window's lower edge are
+   left out and named. Where fewer than 3 batch sizes reach the window (the middle and late phases: the
+   large batches never get that low within the study's 1536 samples, so the study cannot measure B_crit
+   there), the comparison falls back to the study report's own figure, B_crit at the deepest target every
+   run reaches (`voxdiff compare`'s critical-batch table), and says so; the cumulative fit (steps from the
+   start to the phase's loss) is written beside both;
+4. writes benchmarks/advise_vs_study.md and .json: per phase, the study's B_crit with its interval, advise's
+   branch B_crit and noise scale, their ratios to the study's and whether each is within 2x.
+
+A ratio beyond 2x is reported, not hidden: the README section on advise says where and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import yaml  # noqa: E402
+
+import harness  # noqa: E402
+
+PHASES = (512, 1024, 1536)
+WINDOW = (1.15, 1.00)   # the local window above the phase's val loss: from loss x 1.15 down to the loss itself
+OUT = harness.HERE / "advise_vs_study"
+
+
+def train_phases(raw: dict, root: Path, phases, work: Path) -> dict[int, Path]:
+    """The study's run of this setting, checkpointed at each phase (the trajectory does not depend on where
+    it is cut: every schedule is counted in samples against the 1536-sample budget)."""
+    from voxdiff.data.cache import open_cache
+    from voxdiff.params import validate
+    from voxdiff.training import checkpoint
+    from voxdiff.training.distributed import init_runtime
+    from voxdiff.training.train import run_sample_counted_events
+    from voxdiff.training.trainer import Trainer
+
+    params = validate(raw)
+    rt = init_runtime(params.train.device, params.train.precision)
+    tr = Trainer(params, root, rt, open_cache(root / "data" / "processed"))
+    paths, todo = {}, sorted(phases)
+    for p in todo:
+        path = work / f"checkpoint-{p}.pt"
+        if path.is_file():
+            paths[p] = path
+    if len(paths) == len(todo):
+        return paths
+    while tr.counters.samples_seen < max(todo):
+        before = tr.counters.samples_seen
+        record = tr.train_step()
+        last = tr.counters.samples_seen >= tr.budget.total_samples
+        run_sample_counted_events(tr, record, before, last)  # validation as in training (the EMA curve)
+        tr.counters.history.append(record)
+        for p in todo:
+            if before < p <= tr.counters.samples_seen and p not in paths:
+                paths[p] = work / f"checkpoint-{p}.pt"
+                checkpoint.save(paths[p], tr.state(last, None))
+                print(f"[advise_vs_study] checkpoint at {tr.counters.samples_seen} samples", file=sys.stderr)
+    return paths
+
+
+def study_runs(micro: int):
+    from voxdiff.report.loading import read_archive
+
+    runs, _ = read_archive(harness.REPO / "docs" / "study" / "runs",
+                           {"train.batch_size": str(micro), "train.lr_scaling": "none"})
+    return runs
+
+
+def study_b_crit(runs, seed: int, phase: int) -> dict:
+    """The study's local B_crit at the val loss its k = 1 run (this seed) had at `phase` samples."""
+    from voxdiff.convergence import bootstrap_critical_batch, fit_critical_batch
+
+    ref = next(r for r in runs if r.params.get("train.accumulate_every") == "1" and r.params.get("seed") == str(seed))
+    level = float(np.interp(phase, ref.val_samples, ref.val_loss))
+    hi, lo = level * WINDOW[0], level * WINDOW[1]
+    local: dict[float, list[float]] = {}
+    cumulative: dict[float, list[float]] = {}
+    left_out = []
+    for r in runs:
+        b = float(r.params["effective_batch_size"])
+        start, end = r.crossing(hi, r.val_steps), r.crossing(lo, r.val_steps)
+        at = r.crossing(level, r.val_steps)
+        if at is not None:
+            cumulative.setdefault(b, []).append(at)
+        if start is None or end is None or end <= start:
+            left_out.append(f"B={b:g} seed {r.params.get('seed')}")
+            continue
+        local.setdefault(b, []).append(end - start)
+
+    def fitted(steps):
+        if len(steps) < 2:
+            return None
+        fit = fit_critical_batch([b for b, v in steps.items() for _ in v], [s for v in steps.values() for s in v])
+        ci = bootstrap_critical_batch(steps, n_boot=2000, seed=0, level=0.9)
+        return {"b_crit": fit.b_crit, "lo": ci.lo, "hi": ci.hi, "batches": sorted(steps)}
+
+    return {"phase": phase, "val_loss": level, "window": [hi, lo],
+            "local": fitted(local) if len(local) >= 3 else None, "cumulative": fitted(cumulative),
+            "deepest_common_target": deepest_common(runs, fitted), "left_out": left_out}
+
+
+def deepest_common(runs, fitted) -> dict | None:
+    """The report's figure: B_crit at the deepest of compare's target levels (every run reaches it)."""
+    from voxdiff.convergence import target_levels
+
+    start = min(float(r.val_loss[0]) for r in runs)
+    reached = max(float(r.val_loss.min()) for r in runs)
+    levels = target_levels(start, reached, 3)
+    if not levels:
+        return None
+    steps: dict[float, list[float]] = {}
+    for r in runs:
+        s = r.crossing(levels[-1], r.val_steps)
+        if s is not None:
+            steps.setdefault(float(r.params["effective_batch_size"]), []).append(s)
+    out = fitted(steps)
+    return None if out is None else {**out, "target": levels[-1]}
+
+
+def ratio_cell(x, ref) -> tuple[float | None, bool | None]:
+    if x is None or ref is None or not (0 < ref < math.inf) or not (0 < x < math.inf):
+        return None, None
+    r = x / ref
+    return r, 0.5 <= r <= 2.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--micro", type=int, default=2, help="micro-batch of the study's grid (1 or 2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phases", default=",".join(map(str, PHASES)))
+    ap.add_argument("--advise-args", default="", help="extra `voxdiff advise` options, e.g. '--budget-samples 256'")
+    a = ap.parse_args(argv)
+    phases = [int(p) for p in a.phases.split(",")]
+
+    raw = yaml.safe_load((harness.REPO / "params.yaml").read_text())
+    raw = harness.with_overrides(raw, {"seed": a.seed, "train.batch_size": a.micro, "train.accumulate_every": 1,
+                                       "train.max_samples": max(PHASES), "train.max_steps": 0,
+                                       "train.phema_sigma_rels": []})
+    root = harness.data_root(raw)
+    work = harness.SCRATCH / "advise_vs_study" / f"micro{a.micro}-seed{a.seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    params = work / "params.yaml"
+    params.write_text(yaml.safe_dump(raw))
+    t0 = time.time()
+    ckpts = train_phases(copy.deepcopy(raw), root, phases, work)
+    trained_s = time.time() - t0
+
+    from voxdiff.advise.command import AdviseOptions, run_advise
+
+    runs = study_runs(a.micro)
+    extra = a.advise_args.split()
+    rows = []
+    for p in phases:
+        t1 = time.time()
+        opts = dict(root=root, params_path=params, checkpoint=ckpts[p], out=work / f"advise-{p}.md", log=False,
+                    progress=False, branch_batches=tuple(a.micro * f for f in (1, 2, 4, 8)))
+        for key, value in zip(extra[::2], extra[1::2]):  # --budget-samples 256 -> budget_samples=256
+            opts[key.lstrip("-").replace("-", "_")] = int(value)
+        advice = run_advise(AdviseOptions(**opts), echo=lambda s: print(s, file=sys.stderr))
+        data = json.loads((work / f"advise-{p}.json").read_text())
+        study = study_b_crit(runs, a.seed, p)
+        basis = "local" if study["local"] else "deepest_common_target"
+        ref = (study[basis] or {}).get("b_crit")
+        br, br_ok = ratio_cell(data["b_crit_branch"], ref)
+        nr, nr_ok = ratio_cell(data["b_noise"], ref)
+        rows.append({"phase": p, "study": study, "advise": {k: data[k] for k in (
+            "b_crit_branch", "b_crit_branch_ci", "b_noise", "b_noise_ci", "trusted", "agreement", "recommended_one_device",
+            "cost")}, "study_basis": basis, "branch_over_study": br, "branch_within_2x": br_ok, "noise_over_study": nr,
+            "noise_within_2x": nr_ok, "advise_seconds": time.time() - t1})
+        del advice
+    from voxdiff.training.distributed import pick_device
+
+    result = {"micro": a.micro, "seed": a.seed, "training_seconds": trained_s, "rows": rows, "window": WINDOW,
+              "machine": harness.machine(pick_device(raw["train"]["device"]))}
+    OUT.with_suffix(".json").write_text(json.dumps(result, indent=1, default=float) + "\n")
+    OUT.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+def _n(x, fmt=".3g"):
+    return "—" if x is None else ("∞" if x == math.inf else format(x, fmt))
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# advise against the study (micro-batch {result['micro']}, seed {result['seed']})", "",
+             "Study: local B_crit from the archived runs' optimizer steps across the window "
+             f"[val loss × {WINDOW[0]}, × {WINDOW[1]}] at the val loss the k = 1 run had at the phase "
+             "(90 % bootstrap interval over seeds), or, where fewer than 3 batch sizes get that low, the report's "
+             "B_crit at the deepest target every run reaches; cumulative: steps from the start to that loss. advise: "
+             "`voxdiff advise` with its defaults on the k = 1 run's checkpoint at the phase.", "",
+             "| phase (samples) | val loss | study B_crit used (interval) | basis | study, cumulative | advise "
+             "branches (interval) | ratio | within 2× | noise scale | ratio | within 2× | advise s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        s, a = r["study"], r["advise"]
+        loc, cum = s[r["study_basis"]] or {}, s["cumulative"] or {}
+        ci = a["b_crit_branch_ci"] or [None, None]
+        basis = ("local window" if r["study_basis"] == "local" else
+                 f"deepest common target {loc.get('target', float('nan')):.4f} (local not measurable)")
+        lines.append(f"| {r['phase']} | {s['val_loss']:.4f} | {_n(loc.get('b_crit'))} ({_n(loc.get('lo'))}–"
+                     f"{_n(loc.get('hi'))}) | {basis} | {_n(cum.get('b_crit'))} | {_n(a['b_crit_branch'])} ({_n(ci[0])}–"
+                     f"{_n(ci[1])}) | {_n(r['branch_over_study'], '.2f')} | {r['branch_within_2x']} | "
+                     f"{_n(a['b_noise'])} | {_n(r['noise_over_study'], '.2f')} | {r['noise_within_2x']} | "
+                     f"{r['advise_seconds']:.0f} |")
+    for r in result["rows"]:
+        if r["study"]["left_out"]:
+            lines.append(f"\nPhase {r['phase']}: runs left out of the study's fit (never crossed the window): "
+                         + ", ".join(r["study"]["left_out"]))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

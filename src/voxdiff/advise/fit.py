@@ -1,0 +1,364 @@
+"""The arithmetic of `voxdiff advise` (numpy only): steps-to-target from training branches, the local
+critical batch with its interval, the table of candidate settings and the recommendation.
+
+McCandlish et al. (2018): to make a given progress, S(B) = S_min + E_min / B optimizer steps and
+E(B) = S_min B + E_min samples at effective batch B, with B_crit = E_min / S_min. Only ratios between
+settings are used (`Law`), so the scale of S_min and E_min does not matter, and the two limits of an
+unresolved fit stay finite: B_crit -> 0 (steps do not fall with B: samples grow as B) and B_crit -> inf
+(perfect scaling: samples do not depend on B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from voxdiff.convergence import bootstrap_critical_batch, fit_critical_batch
+
+TARGET_FRACTION = 0.8   # the target gain: this share of the largest batch's mean gain over its whole branch
+CHECK_FRACTIONS = (0.5, 0.65)  # the same fit at shallower targets (every branch passed them): a robustness check
+DISAGREEMENT = 2.0      # branches and noise scale disagree when their ratio is beyond this (either way)
+DEVICE_TIME_SLACK = 2.0  # the recommendation may spend at most this times the least device-time
+BOOTSTRAP = 2000
+
+
+# --- the trade-off law ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Law:
+    """Steps S(B) = s_min + e_min / B and samples E(B) = s_min B + e_min to the same progress."""
+    s_min: float
+    e_min: float
+    source: str = "branches"   # "branches" | "noise scale"
+
+    @property
+    def b_crit(self) -> float:
+        return math.inf if self.s_min == 0 else self.e_min / self.s_min
+
+    def steps(self, batch: float) -> float:
+        return self.s_min + self.e_min / batch
+
+    def samples(self, batch: float) -> float:
+        return self.s_min * batch + self.e_min
+
+    @classmethod
+    def from_b_crit(cls, b_crit: float, source: str) -> "Law":
+        if b_crit == math.inf:
+            return cls(0.0, 1.0, source)
+        return cls(1.0, float(b_crit), source)
+
+
+# --- branches -> steps to target -> B_crit ----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BranchCurve:
+    """One training branch from the checkpoint: the val loss of the weights validated (the EMA) at each
+    validation, placed at their mean sample position counted from the branch's start (an EMA's weights
+    average iterates of the last ~half-life/ln 2 samples, some from before the branch: the first
+    positions are negative). Those positions are the same function of samples seen at every batch."""
+    batch: int
+    seed: int
+    micro: int
+    positions: tuple[float, ...]
+    losses: tuple[float, ...]
+    seconds: float = 0.0   # training time (validations excluded)
+    samples: int = 0       # samples it trained (a smaller batch stops once past the target)
+
+
+def samples_to_target(positions: Sequence[float], losses: Sequence[float], target: float) -> float | None:
+    """Position at the first crossing of `target` (linear between validations), None if never reached."""
+    for i in range(1, len(losses)):
+        if losses[i] <= target:
+            lo, hi = losses[i - 1], losses[i]
+            frac = 1.0 if lo == hi else (lo - target) / (lo - hi)
+            return positions[i - 1] + min(max(frac, 0.0), 1.0) * (positions[i] - positions[i - 1])
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchFit:
+    """The local B_crit read from the branches. b_crit None: no target could be set (see note)."""
+    b_crit: float | None
+    lo: float | None
+    hi: float | None
+    level: float
+    law: Law | None
+    start_loss: float        # the checkpoint's EMA on the branches' validation draws
+    target_loss: float | None
+    mean_gain: dict          # batch -> mean val-loss gain at the best validation of its branches
+    gain_spread: dict        # batch -> std of that gain over seeds (nan with one seed)
+    steps: dict              # batch -> steps to the target, one per seed that reached it
+    dropped: list            # "B=8 seed 1" for branches that never reached the target
+    checks: dict             # target fraction -> B_crit at that target (robustness)
+    early: list = dataclasses.field(default_factory=list)  # branches that crossed while the EMA still held the checkpoint
+    note: str = ""
+
+    @property
+    def resolved(self) -> bool:
+        return self.b_crit is not None and 0.0 < self.b_crit < math.inf
+
+
+def branch_target(curves: list[BranchCurve], fraction: float = TARGET_FRACTION) -> float | None:
+    """The val-loss target every branch is timed to: `fraction` of the mean gain the largest batch's branches
+    made over their whole budget (to their best validation: an upward blip at the end is not a loss of
+    progress), from the checkpoint's EMA; None when the largest batch made no gain."""
+    if not curves:
+        return None
+    start, big = curves[0].losses[0], max(c.batch for c in curves)
+    gain = float(np.mean([start - min(c.losses) for c in curves if c.batch == big]))
+    return start - fraction * gain if gain > 0 else None
+
+
+def _steps_at(curves: list[BranchCurve], target: float) -> tuple[dict, list]:
+    steps, dropped = {}, []
+    for c in curves:
+        e = samples_to_target(c.positions, c.losses, target)
+        if e is None or e <= 0:  # at or before position 0 the weights hold no step of this branch
+            dropped.append(f"B={c.batch} seed {c.seed}")
+            continue
+        steps.setdefault(c.batch, []).append(e / c.batch)
+    return dict(sorted(steps.items())), dropped
+
+
+def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: float = 0.0,
+                 n_boot: int = BOOTSTRAP) -> BranchFit:
+    """Steps each branch took to the same val-loss target (`branch_target`) -> fit S = S_min (1 + B_crit / B),
+    with a percentile bootstrap interval over seeds (convergence.bootstrap_critical_batch). The steps are the
+    position where the branch's EMA crossed the target, read between validations, / B. A crossing before
+    `usable_from` (a position at which the EMA still held much of the checkpoint's weights) is kept and named
+    in `early`: its position is less exact."""
+    start = curves[0].losses[0] if curves else math.nan
+    batches = sorted({c.batch for c in curves})
+    gains = {b: [start - min(c.losses) for c in curves if c.batch == b] for b in batches}
+    mean_gain = {b: float(np.mean(g)) for b, g in gains.items()}
+    spread = {b: float(np.std(g, ddof=1)) if len(g) > 1 else math.nan for b, g in gains.items()}
+    empty = dict(b_crit=None, lo=None, hi=None, level=level, law=None, start_loss=start, target_loss=None,
+                 mean_gain=mean_gain, gain_spread=spread, steps={}, dropped=[], checks={})
+    target = branch_target(curves)
+    if len(batches) < 2 or target is None:
+        big = max(batches) if batches else None
+        return BranchFit(**empty, note=(f"the branches at B = {big} did not lower the val loss "
+                                        f"({mean_gain.get(big, 0):+.3g}): no target; raise --budget-samples"
+                                        if big is not None else "no branches"))
+
+    def fit_at(level_loss: float):
+        steps, dropped = _steps_at(curves, level_loss)
+        if len(steps) < 2:
+            return steps, dropped, None
+        return steps, dropped, fit_critical_batch([b for b, v in steps.items() for _ in v],
+                                                  [s for v in steps.values() for s in v])
+
+    steps, dropped, fit = fit_at(target)
+    checks = {}
+    for f in CHECK_FRACTIONS:
+        other = fit_at(branch_target(curves, f))[2]
+        checks[f] = None if other is None else other.b_crit
+    early = [f"B={c.batch} seed {c.seed}" for c in curves
+             if (e := samples_to_target(c.positions, c.losses, target)) is not None and 0 < e < usable_from]
+    if fit is None:
+        return BranchFit(**{**empty, "target_loss": target, "steps": steps, "dropped": dropped, "checks": checks},
+                         note="fewer than two batch sizes reached the target")
+    ci = bootstrap_critical_batch(steps, n_boot=n_boot, seed=0, level=level)
+    law = Law(fit.s_min, fit.e_min) if fit.resolved else Law.from_b_crit(fit.b_crit, "branches")
+    notes = []
+    big = max(batches)
+    if spread[big] == spread[big] and mean_gain[big] < 2 * spread[big]:
+        notes.append(f"the gain at B = {big} is within twice its spread over seeds: more --branch-seeds or "
+                     "--budget-samples would tighten the interval")
+    if early:
+        notes.append(f"{', '.join(early)} crossed the target while the EMA still held the checkpoint's weights "
+                     "(a larger --budget-samples sets a deeper target)")
+    if not fit.resolved:
+        notes.append("steps did not fall with B over the batches tested (B_crit below the smallest)" if fit.b_crit == 0
+                     else "steps fell as 1/B over every batch tested (B_crit above the largest)")
+    return BranchFit(fit.b_crit, ci.lo, ci.hi, level, law, start, target, mean_gain, spread, steps, dropped,
+                     checks, early, "; ".join(notes))
+
+
+# --- the two estimates side by side ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    law: Law | None
+    trusted: str            # "branches" | "noise scale" | "none"
+    ratio: float | None     # b_noise / b_crit_branch
+    sentence: str
+
+
+def reconcile(branch: BranchFit, b_noise: float | None, b_noise_lo: float | None = None) -> Verdict:
+    """Which B_crit the table uses, and what to say when the noise scale disagrees by more than 2x.
+    The branches measure the trade-off directly and win whenever they set a target; the noise scale is
+    the fallback (it is McCandlish's B_crit for SGD at a tuned lr, an approximation under Adam)."""
+    if branch.law is not None:
+        bc = branch.law.b_crit
+        if b_noise is None:
+            bound = f" (its interval only bounds it below, ≥ {b_noise_lo:.3g})" if b_noise_lo else ""
+            return Verdict(branch.law, "branches", None,
+                           f"the noise scale is not resolved at this checkpoint{bound}; the branches are used")
+        if bc == 0 or bc == math.inf:
+            # An unresolved fit is a bound: below the smallest batch tested, or above the largest.
+            bound = min(branch.mean_gain) if bc == 0 else max(branch.mean_gain)
+            side = "below" if bc == 0 else "above"
+            agrees = b_noise <= DISAGREEMENT * bound if bc == 0 else b_noise >= bound / DISAGREEMENT
+            if agrees:
+                return Verdict(branch.law, "branches", None,
+                               f"the branches put B_crit {side} the batches tested ({side} {bound}) and the noise "
+                               f"scale ({b_noise:.3g}) agrees within {DISAGREEMENT:g}x")
+            return Verdict(branch.law, "branches", None,
+                           f"the branches put B_crit {side} the batches tested ({side} {bound}) but the noise scale "
+                           f"reads {b_noise:.3g}: they disagree by more than {DISAGREEMENT:g}x, and advise trusts the "
+                           "branches (the noise-scale theory assumes SGD at a tuned lr; Adam, L1 and clipping break it)")
+        ratio = b_noise / bc
+        if ratio > DISAGREEMENT or ratio < 1 / DISAGREEMENT:
+            return Verdict(branch.law, "branches", ratio,
+                           f"the noise scale ({b_noise:.3g}) is {max(ratio, 1 / ratio):.1f}x "
+                           f"{'above' if ratio > 1 else 'below'} the critical batch the branches measured "
+                           f"({bc:.3g}): they disagree by more than {DISAGREEMENT:g}x, and advise trusts the branches "
+                           "(the noise-scale theory assumes SGD at a tuned lr; Adam, L1 and clipping break it)")
+        return Verdict(branch.law, "branches", ratio,
+                       f"the noise scale ({b_noise:.3g}) agrees with the branches ({bc:.3g}) within {DISAGREEMENT:g}x")
+    if b_noise is not None:
+        return Verdict(Law.from_b_crit(b_noise, "noise scale"), "noise scale", None,
+                       f"the branches could not set a target ({branch.note}); the table uses the noise scale "
+                       f"B_noise ≈ {b_noise:.3g}, an approximation under Adam")
+    return Verdict(None, "none", None, f"neither the branches ({branch.note}) nor the noise scale resolved B_crit: "
+                                       "the table shows memory and speed only")
+
+
+# --- candidate settings ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    micro: int
+    accumulate: int
+    world: int
+
+    @property
+    def batch(self) -> int:
+        return self.micro * self.accumulate * self.world
+
+    def label(self) -> str:
+        return f"{self.micro} x {self.accumulate} x {self.world}"
+
+    def as_json(self) -> dict:
+        return {"batch_size": self.micro, "accumulate_every": self.accumulate, "world_size": self.world}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedRow:
+    """One micro-batch of the memory/speed sweep. samples_per_s None: it did not run (oom or skipped)."""
+    micro: int
+    samples_per_s: float | None
+    peak_memory_mb: float | None
+    oom: bool = False
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    setting: Setting
+    memory_mb: float | None
+    samples_per_s: float | None   # all devices together (ideal scaling across devices: not measured)
+    samples_rel: float | None     # samples to the same progress / the least over the table
+    steps_rel: float | None       # optimizer steps to the same progress / the least over the table
+    minutes: float | None         # wall time to the progress the current setting makes in `horizon` samples
+    device_minutes: float | None  # minutes x devices
+    current: bool = False
+
+    def as_json(self) -> dict:
+        return {**self.setting.as_json(), "effective_batch": self.setting.batch, "memory_mb": self.memory_mb,
+                "samples_per_s": self.samples_per_s, "samples_vs_best": self.samples_rel,
+                "steps_vs_best": self.steps_rel, "minutes": self.minutes, "device_minutes": self.device_minutes,
+                "current": self.current}
+
+
+def candidates(law: Law | None, speed: list[SpeedRow], world_sizes: Sequence[int], accumulates: Sequence[int],
+               current: Setting, horizon_samples: int) -> list[Candidate]:
+    """Every micro-batch that ran x accumulate_every on one device, x world size at accumulate 1, and the
+    current setting.
+
+    Minutes = the samples this setting needs for the progress the current setting makes in
+    `horizon_samples` (E(B) / E(B_current) x horizon) over its samples/s. Accumulation runs at its
+    micro-batch's samples/s (its memory too: it adds no activations); N devices at N x one device's."""
+    ran = {r.micro: r for r in speed if r.samples_per_s}
+    # On one device every accumulate_every; on more, accumulate 1 only (more devices x accumulation is
+    # just a larger effective batch, already in the table at fewer devices' cost).
+    settings = {Setting(m, k, 1) for m in ran for k in accumulates}
+    settings |= {Setting(m, 1, w) for m in ran for w in world_sizes}
+    settings.add(current)
+    rows = []
+    for s in sorted(settings, key=lambda s: (s.world, s.micro, s.accumulate)):
+        r = ran.get(s.micro)
+        rate = r.samples_per_s * s.world if r else None
+        rows.append([s, r.peak_memory_mb if r else None, rate])
+    if law is None:
+        return [Candidate(s, mem, rate, None, None, None, None, s == current) for s, mem, rate in rows]
+    e_min = min(law.samples(s.batch) for s, _, _ in rows)
+    s_min = min(law.steps(s.batch) for s, _, _ in rows)
+    out = []
+    for s, mem, rate in rows:
+        need = horizon_samples * law.samples(s.batch) / law.samples(current.batch)
+        minutes = need / rate / 60 if rate else None
+        out.append(Candidate(s, mem, rate, law.samples(s.batch) / e_min, law.steps(s.batch) / s_min, minutes,
+                             minutes * s.world if minutes is not None else None, s == current))
+    return out
+
+
+def _order(c: Candidate):
+    return (c.minutes, c.setting.world, c.setting.accumulate, c.setting.micro)
+
+
+def recommend(table: list[Candidate], world: int | None = None) -> Candidate | None:
+    """The fastest setting (least minutes) among those that spend at most DEVICE_TIME_SLACK x the least
+    device-time; `world` restricts to that many devices. Without a law: the fastest micro-batch at
+    accumulate 1 (accumulation never adds speed on one device)."""
+    pool = [c for c in table if (world is None or c.setting.world == world)]
+    timed = [c for c in pool if c.minutes is not None]
+    if not timed:
+        fast = [c for c in pool if c.samples_per_s and c.setting.accumulate == 1]
+        return max(fast, key=lambda c: (c.samples_per_s, -c.setting.world)) if fast else None
+    least = min(c.device_minutes for c in timed)
+    return min((c for c in timed if c.device_minutes <= DEVICE_TIME_SLACK * least * (1 + 1e-9)), key=_order)
+
+
+def devices_worth_it(table: list[Candidate]) -> int | None:
+    """The most devices whose fastest setting still spends at most DEVICE_TIME_SLACK x the least device-time."""
+    timed = [c for c in table if c.minutes is not None]
+    if not timed:
+        return None
+    least = min(c.device_minutes for c in timed)
+    ok = [c.setting.world for c in timed if c.device_minutes <= DEVICE_TIME_SLACK * least * (1 + 1e-9)]
+    return max(ok) if ok else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentCost:
+    setting: Setting
+    samples_vs_accumulate_1: float | None
+    steps_vs_accumulate_1: float | None
+    minutes_vs_recommended: float | None
+    sentence: str
+
+    def as_json(self) -> dict:
+        return {**self.setting.as_json(), "samples_vs_accumulate_1": self.samples_vs_accumulate_1,
+                "steps_vs_accumulate_1": self.steps_vs_accumulate_1,
+                "minutes_vs_recommended": self.minutes_vs_recommended, "sentence": self.sentence}
+
+
+def current_cost(law: Law | None, table: list[Candidate], current: Setting, best: Candidate | None) -> CurrentCost:
+    """What the current accumulate_every costs against accumulate 1 at the same micro-batch and devices."""
+    one = Setting(current.micro, 1, current.world)
+    if law is None:
+        return CurrentCost(current, None, None, None, "B_crit was not resolved: the samples it costs are unknown")
+    e = law.samples(current.batch) / law.samples(one.batch)
+    s = law.steps(current.batch) / law.steps(one.batch)
+    mine = next((c for c in table if c.setting == current), None)
+    vs_best = (mine.minutes / best.minutes if mine is not None and best is not None and mine.minutes
+               and best.minutes else None)
+    if current.accumulate == 1:
+        sentence = (f"accumulate_every 1 at micro-batch {current.micro} already takes the fewest samples at this "
+                    "micro-batch")
+    else:
+        sentence = (f"accumulate_every {current.accumulate} needs ~{e:.2g}x the samples of accumulate_every 1 at "
+                    f"micro-batch {current.micro} at this point of training, in {s:.2g}x the optimizer steps, and "
+                    "runs no faster per sample on one device")
+    return CurrentCost(current, e, s, vs_best, sentence)
