@@ -170,6 +170,9 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "precision": choice("auto", "fp32", "bf16", "fp16"),
         "fp16_max_skipped_steps": integer(1),
         "device": text(allow_empty=False),
+        "tf32": boolean,
+        "compile": boolean,
+        "deterministic": boolean,
         "val_every_samples": integer(1),
         "val_draws": integer(1),
         "val_seed": integer(0),
@@ -267,6 +270,9 @@ class Train:
     precision: str
     fp16_max_skipped_steps: int
     device: str
+    tf32: bool            # CUDA: TF32 for fp32 matmuls/convolutions (training/distributed.py: configure_backends)
+    compile: bool         # torch.compile the network being trained
+    deterministic: bool   # CUDA: deterministic kernels (configure_backends)
     val_every_samples: int
     val_draws: int
     val_seed: int
