@@ -189,7 +189,7 @@ def test_disagreement_is_reported_and_the_branches_are_trusted(tmp_path, monkeyp
     data = json.loads((tmp_path / "reports" / "advise.json").read_text())
     assert data["b_noise"] == pytest.approx(B_NOISE, rel=0.35)
     steps = {int(b): np.mean(v) for b, v in data["branches"]["steps_to_target"].items()}
-    assert steps[16] / steps[4] == pytest.approx(1.0, abs=0.1)  # 4x the batch, the same steps
+    assert steps[16] / steps[4] > 0.85  # 4x the batch, no fewer steps (SGD at B_crit 4 would take 0.5x)
     # below the smallest batch tested (a bound, not a number), or resolved far below B_simple
     assert data["b_crit_branch_bound"] == {"below": 2} or data["b_crit_branch"] < B_NOISE / 4
     assert data["trusted"] == "branches" and "disagree by more than 2x" in data["agreement"]

@@ -24,10 +24,10 @@ class AdviseOptions:
     params_path: Path | None = None
     checkpoint: Path | None = None      # None: models/checkpoint.pt, or a warm-up when it does not exist
     world_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    budget_samples: int = 0             # the largest batch's branches; 0 = 16 of its steps, at least 128
+    budget_samples: int = 0             # the largest batch's branches; 0 = 12 of its steps, at least 128
     branch_seeds: int = 2
     branch_batches: tuple[int, ...] = ()  # () = train.batch_size x (1, 2, 4, 8)
-    val_draws: int = 16                 # per validation subject, for the branches (training's own: train.val_draws)
+    val_draws: int = 8                  # per validation subject, for the branches (training's own: train.val_draws)
     probe_samples: int = 0              # 0 = train.gns_probe_samples (32 when that is 0)
     max_micro_batch: int = 64
     speed_steps: int = 2
@@ -218,7 +218,8 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
                            current, horizon)
     best, one = fit.recommend(table), fit.recommend(table, world=1)
     worth = fit.devices_worth_it(table)
-    cost = fit.current_cost(verdict.law, table, current, one)
+    interval = (branch.lo, branch.hi) if verdict.trusted == "branches" else (m.noise.marginal.lo, m.noise.marginal.hi)
+    cost = fit.current_cost(verdict.law, table, current, one, interval)
     state = m.state
     ck = {"step": int(state["step"]), "samples_seen": int(state["samples_seen"]),
           "mlflow_run_id": state.get("mlflow_run_id", ""), "finished": bool(state.get("finished")),
@@ -230,7 +231,7 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
         source=inputs.source, checkpoint=ck, device=str(rt.device), precision=rt.precision, current=current,
         horizon_samples=horizon, speed=m.speed, noise=m.noise, plan=m.branch_plan, curves=m.branches.curves,
         branch=branch, verdict=verdict, table=table, recommended=best, recommended_one_device=one,
-        devices_worth_it=worth, cost=cost, sentence=_sentence(verdict, cost, one, best, worth), seconds=m.seconds,
+        devices_worth_it=worth, cost=cost, sentence=_sentence(verdict, branch, cost, one, best, worth), seconds=m.seconds,
         training_samples=trained, validation_draws=m.branches.validations * opts.val_draws * plan.val_subjects,
         notes=m.notes + _notes(state, rt, inputs.params, m.speed, m.branch_plan))
 
@@ -259,12 +260,13 @@ def _trained_batch(state: dict) -> int | None:
     return round(int(state["samples_seen"]) / step) if step else None
 
 
-def _sentence(verdict, cost, one, best, worth) -> str:
+def _sentence(verdict, branch, cost, one, best, worth) -> str:
     """The recommendation's one sentence: what the current setting costs, and what more devices buy."""
     if one is None:
         return "nothing ran: no recommendation"
     bc = verdict.law.b_crit if verdict.law else None
-    where = (f"B_crit ≈ {bc:.2g} ({verdict.trusted})" if bc not in (None, 0.0, float('inf'))
+    loose = "" if verdict.trusted != "branches" or branch.reliable else f", not resolved: {branch.lo:.2g}-{branch.hi:.2g}"
+    where = (f"B_crit ≈ {bc:.2g} ({verdict.trusted}{loose})" if bc not in (None, 0.0, float('inf'))
              else "B_crit is below the smallest batch tested" if bc == 0.0
              else "B_crit is above the largest batch tested" if bc is not None else "B_crit unknown")
     one_txt = (f"on one device use micro-batch {one.setting.micro} with accumulate_every 1, the fastest to the same "
@@ -319,13 +321,13 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
               help="Device counts to predict (one device measured; N devices at N x its samples/s).")
 @click.option("--budget-samples", type=click.IntRange(0), default=0,
               help="Samples the largest batch's branches train (rounded up to whole steps of every batch; the "
-                   "smaller batches stop once past its target) [default: 16 steps of the largest batch, at least "
-                   "128: 256 on the demo].")
+                   "smaller batches stop once past its target) [default: 12 steps of the largest batch, at least "
+                   "128: 192 on the demo].")
 @click.option("--branch-seeds", type=click.IntRange(2), default=2, show_default=True,
               help="Seeds (per-sample draws) per branch batch; the interval is a bootstrap over them.")
 @click.option("--branch-batches", default="", help="Effective batches of the branches [default: train.batch_size "
               "x 1,2,4,8].")
-@click.option("--val-draws", type=click.IntRange(1), default=16, show_default=True,
+@click.option("--val-draws", type=click.IntRange(1), default=8, show_default=True,
               help="Validation draws per validation subject for the branches (training's train.val_draws is too "
                    "few to resolve a short branch's gain).")
 @click.option("--probe-samples", type=click.IntRange(0), default=0,

@@ -21,6 +21,7 @@ from voxdiff.convergence import bootstrap_critical_batch, fit_critical_batch
 TARGET_FRACTION = 0.8   # the target gain: this share of the largest batch's mean gain over its whole branch
 CHECK_FRACTIONS = (0.5, 0.65)  # the same fit at shallower targets (every branch passed them): a robustness check
 DISAGREEMENT = 2.0      # branches and noise scale disagree when their ratio is beyond this (either way)
+WIDE = 10.0             # a branch interval wider than this ratio (hi / lo) does not resolve B_crit
 DEVICE_TIME_SLACK = 2.0  # the recommendation may spend at most this times the least device-time
 BOOTSTRAP = 2000
 
@@ -93,20 +94,48 @@ class BranchFit:
     checks: dict             # target fraction -> B_crit at that target (robustness)
     early: list = dataclasses.field(default_factory=list)  # branches that crossed while the EMA still held the checkpoint
     note: str = ""
+    seed_interval: tuple = (None, None)  # convergence.bootstrap_critical_batch over seeds alone
+    jitter: float | None = None          # std of the largest batch's validations around their trend
 
     @property
     def resolved(self) -> bool:
         return self.b_crit is not None and 0.0 < self.b_crit < math.inf
 
+    @property
+    def reliable(self) -> bool:
+        """Resolved, with a bounded interval at most WIDE x wide."""
+        return (self.resolved and self.lo is not None and self.hi is not None and 0 < self.lo
+                and self.hi < math.inf and self.hi / self.lo <= WIDE)
+
+
+def end_level(c: BranchCurve) -> float:
+    """A branch's val loss at its end: the mean of its last quarter of validations (at least one): a
+    single last or best value would carry that validation's jitter (the best one, biased low)."""
+    return float(np.mean(c.losses[-max(1, (len(c.losses) - 1) // 4):]))
+
+
+def trend(c: BranchCurve) -> tuple[np.ndarray, float]:
+    """A smooth fit of the curve after its first point (a quadratic in position with 5 points or more, a
+    line with 3-4) and the residuals' std: the jitter of the validated weights from one validation to the
+    next. The first point (the checkpoint's EMA, common to every branch) is kept as it is."""
+    x, y = np.asarray(c.positions[1:], float), np.asarray(c.losses[1:], float)
+    fitted = np.asarray(c.losses, float).copy()
+    degree = 2 if len(x) >= 5 else 1 if len(x) >= 3 else None
+    if degree is None:
+        return fitted, 0.0
+    coef = np.polyfit(x, y, degree)
+    fitted[1:] = np.polyval(coef, x)
+    resid = y - fitted[1:]
+    return fitted, float(np.sqrt(np.sum(resid ** 2) / max(len(x) - degree - 1, 1)))
+
 
 def branch_target(curves: list[BranchCurve], fraction: float = TARGET_FRACTION) -> float | None:
     """The val-loss target every branch is timed to: `fraction` of the mean gain the largest batch's branches
-    made over their whole budget (to their best validation: an upward blip at the end is not a loss of
-    progress), from the checkpoint's EMA; None when the largest batch made no gain."""
+    made over their whole budget (to their end level), from the checkpoint's EMA; None without a gain."""
     if not curves:
         return None
     start, big = curves[0].losses[0], max(c.batch for c in curves)
-    gain = float(np.mean([start - min(c.losses) for c in curves if c.batch == big]))
+    gain = float(np.mean([start - end_level(c) for c in curves if c.batch == big]))
     return start - fraction * gain if gain > 0 else None
 
 
@@ -121,16 +150,52 @@ def _steps_at(curves: list[BranchCurve], target: float) -> tuple[dict, list]:
     return dict(sorted(steps.items())), dropped
 
 
+def _fit_steps(steps: dict):
+    if len(steps) < 2:
+        return None
+    return fit_critical_batch([b for b, v in steps.items() for _ in v], [s for v in steps.values() for s in v])
+
+
+def jitter_bootstrap(curves: list[BranchCurve], n_boot: int, level: float, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of B_crit over replicates that resample the seeds within each batch (as
+    convergence.bootstrap_critical_batch does) and each curve's validations: its trend plus residuals drawn
+    with replacement, so the interval also holds the jitter between validations, which seeds alone (two,
+    drawn on the same samples) understate. Target, crossings and fit are redone in every replicate."""
+    rng = np.random.default_rng(seed)
+    smooth = {id(c): trend(c) for c in curves}
+    resid = {id(c): np.asarray(c.losses[1:], float) - smooth[id(c)][0][1:] for c in curves}
+    by_batch: dict = {}
+    for c in curves:
+        by_batch.setdefault(c.batch, []).append(c)
+    values = []
+    for _ in range(n_boot):
+        replicate = []
+        for cs in by_batch.values():
+            for c in (cs[i] for i in rng.integers(0, len(cs), len(cs))):
+                fitted, r = smooth[id(c)][0], resid[id(c)]
+                losses = fitted.copy()
+                if len(r):
+                    losses[1:] += rng.choice(r, size=len(r), replace=True)
+                replicate.append(dataclasses.replace(c, losses=tuple(losses)))
+        target = branch_target(replicate)
+        fit = _fit_steps(_steps_at(replicate, target)[0]) if target is not None else None
+        values.append(math.inf if fit is None else fit.b_crit)  # no fit: as uninformative as it gets
+    alpha = 1.0 - level
+    lo, hi = np.quantile(np.asarray(values), [alpha / 2, 1 - alpha / 2], method="inverted_cdf")
+    return float(lo), float(hi)
+
+
 def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: float = 0.0,
                  n_boot: int = BOOTSTRAP) -> BranchFit:
-    """Steps each branch took to the same val-loss target (`branch_target`) -> fit S = S_min (1 + B_crit / B),
-    with a percentile bootstrap interval over seeds (convergence.bootstrap_critical_batch). The steps are the
-    position where the branch's EMA crossed the target, read between validations, / B. A crossing before
-    `usable_from` (a position at which the EMA still held much of the checkpoint's weights) is kept and named
-    in `early`: its position is less exact."""
+    """Steps each branch took to the same val-loss target (`branch_target`) -> fit S = S_min (1 + B_crit / B)
+    (convergence.fit_critical_batch), with an interval from `jitter_bootstrap` (the seed-only interval of
+    convergence.bootstrap_critical_batch, narrower, is kept in `seed_interval`). The steps are the position
+    where the branch's EMA crossed the target, read between validations, / B. A crossing before `usable_from`
+    (a position at which the EMA still held much of the checkpoint's weights) is kept and named in `early`:
+    its position is less exact."""
     start = curves[0].losses[0] if curves else math.nan
     batches = sorted({c.batch for c in curves})
-    gains = {b: [start - min(c.losses) for c in curves if c.batch == b] for b in batches}
+    gains = {b: [start - end_level(c) for c in curves if c.batch == b] for b in batches}
     mean_gain = {b: float(np.mean(g)) for b, g in gains.items()}
     spread = {b: float(np.std(g, ddof=1)) if len(g) > 1 else math.nan for b, g in gains.items()}
     empty = dict(b_crit=None, lo=None, hi=None, level=level, law=None, start_loss=start, target_loss=None,
@@ -141,39 +206,35 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
         return BranchFit(**empty, note=(f"the branches at B = {big} did not lower the val loss "
                                         f"({mean_gain.get(big, 0):+.3g}): no target; raise --budget-samples"
                                         if big is not None else "no branches"))
-
-    def fit_at(level_loss: float):
-        steps, dropped = _steps_at(curves, level_loss)
-        if len(steps) < 2:
-            return steps, dropped, None
-        return steps, dropped, fit_critical_batch([b for b, v in steps.items() for _ in v],
-                                                  [s for v in steps.values() for s in v])
-
-    steps, dropped, fit = fit_at(target)
+    steps, dropped = _steps_at(curves, target)
+    fit = _fit_steps(steps)
     checks = {}
     for f in CHECK_FRACTIONS:
-        other = fit_at(branch_target(curves, f))[2]
+        other = _fit_steps(_steps_at(curves, branch_target(curves, f))[0])
         checks[f] = None if other is None else other.b_crit
     early = [f"B={c.batch} seed {c.seed}" for c in curves
              if (e := samples_to_target(c.positions, c.losses, target)) is not None and 0 < e < usable_from]
     if fit is None:
         return BranchFit(**{**empty, "target_loss": target, "steps": steps, "dropped": dropped, "checks": checks},
                          note="fewer than two batch sizes reached the target")
-    ci = bootstrap_critical_batch(steps, n_boot=n_boot, seed=0, level=level)
+    lo, hi = jitter_bootstrap(curves, n_boot // 4, level)
+    seeds = bootstrap_critical_batch(steps, n_boot=n_boot, seed=0, level=level)
     law = Law(fit.s_min, fit.e_min) if fit.resolved else Law.from_b_crit(fit.b_crit, "branches")
-    notes = []
     big = max(batches)
-    if spread[big] == spread[big] and mean_gain[big] < 2 * spread[big]:
-        notes.append(f"the gain at B = {big} is within twice its spread over seeds: more --branch-seeds or "
-                     "--budget-samples would tighten the interval")
+    noise = float(np.mean([trend(c)[1] for c in curves if c.batch == big]))
+    notes = []
+    if not (0 < lo and hi < math.inf and hi / lo <= WIDE):
+        notes.append(f"not resolved at this budget: the interval spans {lo:.3g}-{hi:.3g}; the val loss moves by "
+                     f"±{noise:.2g} between validations against a gain of {mean_gain[big]:.2g} at B = {big}: more "
+                     "--budget-samples or --branch-seeds, or a checkpoint from earlier in training (faster progress)")
     if early:
         notes.append(f"{', '.join(early)} crossed the target while the EMA still held the checkpoint's weights "
                      "(a larger --budget-samples sets a deeper target)")
     if not fit.resolved:
         notes.append("steps did not fall with B over the batches tested (B_crit below the smallest)" if fit.b_crit == 0
                      else "steps fell as 1/B over every batch tested (B_crit above the largest)")
-    return BranchFit(fit.b_crit, ci.lo, ci.hi, level, law, start, target, mean_gain, spread, steps, dropped,
-                     checks, early, "; ".join(notes))
+    return BranchFit(fit.b_crit, lo, hi, level, law, start, target, mean_gain, spread, steps, dropped,
+                     checks, early, "; ".join(notes), (seeds.lo, seeds.hi), noise)
 
 
 # --- the two estimates side by side ---------------------------------------------------------------
@@ -188,7 +249,17 @@ class Verdict:
 def reconcile(branch: BranchFit, b_noise: float | None, b_noise_lo: float | None = None) -> Verdict:
     """Which B_crit the table uses, and what to say when the noise scale disagrees by more than 2x.
     The branches measure the trade-off directly and win whenever they set a target; the noise scale is
-    the fallback (it is McCandlish's B_crit for SGD at a tuned lr, an approximation under Adam)."""
+    the fallback (it is McCandlish's B_crit for SGD at a tuned lr, an approximation under Adam). A branch
+    estimate whose interval is wide is still the one used, and the sentence says how wide."""
+    v = _reconcile(branch, b_noise, b_noise_lo)
+    if v.trusted == "branches" and branch.lo is not None and not branch.reliable:
+        hi = "inf" if branch.hi is None or branch.hi == math.inf else f"{branch.hi:.3g}"
+        return dataclasses.replace(v, sentence=v.sentence + f"; but the branches' own interval is wide "
+                                   f"({branch.lo:.3g}-{hi}): B_crit is not pinned down at this budget")
+    return v
+
+
+def _reconcile(branch: BranchFit, b_noise: float | None, b_noise_lo: float | None) -> Verdict:
     if branch.law is not None:
         bc = branch.law.b_crit
         if b_noise is None:
@@ -337,20 +408,28 @@ class CurrentCost:
     steps_vs_accumulate_1: float | None
     minutes_vs_recommended: float | None
     sentence: str
+    samples_vs_accumulate_1_range: tuple = (None, None)  # over the B_crit interval
 
     def as_json(self) -> dict:
         return {**self.setting.as_json(), "samples_vs_accumulate_1": self.samples_vs_accumulate_1,
+                "samples_vs_accumulate_1_range": list(self.samples_vs_accumulate_1_range),
                 "steps_vs_accumulate_1": self.steps_vs_accumulate_1,
                 "minutes_vs_recommended": self.minutes_vs_recommended, "sentence": self.sentence}
 
 
-def current_cost(law: Law | None, table: list[Candidate], current: Setting, best: Candidate | None) -> CurrentCost:
-    """What the current accumulate_every costs against accumulate 1 at the same micro-batch and devices."""
+def current_cost(law: Law | None, table: list[Candidate], current: Setting, best: Candidate | None,
+                 interval: tuple = (None, None)) -> CurrentCost:
+    """What the current accumulate_every costs against accumulate 1 at the same micro-batch and devices, at
+    the B_crit used and over its interval (E(kB)/E(B) = (1 + kB/B_crit)/(1 + B/B_crit) lies between 1 and k
+    whatever B_crit: on one device accumulation never saves samples)."""
     one = Setting(current.micro, 1, current.world)
     if law is None:
-        return CurrentCost(current, None, None, None, "B_crit was not resolved: the samples it costs are unknown")
+        return CurrentCost(current, None, None, None, "B_crit was not resolved: the samples it costs are unknown "
+                           f"(between 1x and {current.accumulate}x, whatever B_crit)")
     e = law.samples(current.batch) / law.samples(one.batch)
     s = law.steps(current.batch) / law.steps(one.batch)
+    ends = [Law.from_b_crit(b, law.source) for b in interval if b is not None and b > 0]
+    spread = tuple(sorted(x.samples(current.batch) / x.samples(one.batch) for x in ends)) if len(ends) == 2 else (None, None)
     mine = next((c for c in table if c.setting == current), None)
     vs_best = (mine.minutes / best.minutes if mine is not None and best is not None and mine.minutes
                and best.minutes else None)
@@ -358,7 +437,8 @@ def current_cost(law: Law | None, table: list[Candidate], current: Setting, best
         sentence = (f"accumulate_every 1 at micro-batch {current.micro} already takes the fewest samples at this "
                     "micro-batch")
     else:
+        within = f" ({spread[0]:.2g}-{spread[1]:.2g}x over its interval)" if spread[0] is not None else ""
         sentence = (f"accumulate_every {current.accumulate} needs ~{e:.2g}x the samples of accumulate_every 1 at "
-                    f"micro-batch {current.micro} at this point of training, in {s:.2g}x the optimizer steps, and "
-                    "runs no faster per sample on one device")
-    return CurrentCost(current, e, s, vs_best, sentence)
+                    f"micro-batch {current.micro} at this point of training{within}, in {s:.2g}x the optimizer "
+                    "steps, and runs no faster per sample on one device")
+    return CurrentCost(current, e, s, vs_best, sentence, spread)

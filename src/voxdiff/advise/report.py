@@ -92,7 +92,8 @@ def as_json(a: Advice) -> dict:
     b, m, plan = a.branch, a.noise.marginal, a.plan
     return finite({
         "b_crit_branch": b.b_crit if b.resolved else None, "b_crit_branch_ci": [b.lo, b.hi], "ci_level": b.level,
-        "b_crit_branch_bound": _bound(b),
+        "b_crit_branch_bound": _bound(b), "b_crit_branch_reliable": b.reliable,
+        "b_crit_branch_ci_seeds_only": list(b.seed_interval), "branch_val_jitter": b.jitter,
         "b_noise": m.value, "b_noise_ci": [m.lo, m.hi],
         "trusted": a.verdict.trusted, "b_noise_over_b_crit_branch": a.verdict.ratio, "agreement": a.verdict.sentence,
         "b_crit_used": a.verdict.law.b_crit if a.verdict.law else None,
@@ -160,7 +161,7 @@ def markdown(a: Advice, figure: Path) -> str:
                   f"world size {rec.setting.world}.** {a.sentence}", ""]
     lines += ["| | |", "|---|---|",
               f"| critical batch, measured by the branches | {_bcrit_cell(b)} ({b.level:.0%} interval "
-              f"{_interval(b.lo, b.hi)}) |",
+              f"{_interval(b.lo, b.hi)}{'' if b.reliable else ': not resolved'}) |",
               f"| gradient noise scale B_simple (marginal over timesteps) | {_num(m.value, none='not resolved')} "
               f"({a.noise.level:.0%} interval {_interval(m.lo, m.hi)}) |",
               f"| which the table uses | {a.verdict.trusted} |", "", a.verdict.sentence[0].upper() + a.verdict.sentence[1:]
@@ -184,8 +185,8 @@ def markdown(a: Advice, figure: Path) -> str:
               "across devices, more of them while the effective batch stays near B_crit or below." +
               (f" Up to {a.devices_worth_it} device(s) pass that test." if a.devices_worth_it else ""),
               "", "## a. Memory and speed per micro-batch", "",
-              "Whole training steps (forward, backward, clipping, Adam, EMA) at accumulate_every 1, median of the "
-              "timed steps after one warm-up step; peak memory: " +
+              "Whole training steps (forward, backward, clipping, Adam, EMA) at accumulate_every 1, the fastest of "
+              "the timed steps after one warm-up step; peak memory: " +
               ("CUDA max allocated." if a.device.startswith("cuda") else "this process's peak RSS."), "",
               "| micro-batch | samples/s | peak memory MB | note |", "|---|---|---|---|"]
     for r in a.speed:
@@ -213,7 +214,9 @@ def markdown(a: Advice, figure: Path) -> str:
               f"{100 * (1 - (b.target_loss or b.start_loss) / b.start_loss):.2g} % lower, 80 % of the largest batch's "
               "gain); the position where each "
               "branch crosses it, read between validations, / B = its steps, fitted with S = S_min(1 + B_crit/B) "
-              "(`voxdiff.convergence`), the interval by a bootstrap over seeds.", "",
+              "(`voxdiff.convergence`); the interval by a bootstrap over seeds and over each curve's validations around "
+              "its trend (the seeds alone give "
+              f"{_interval(*b.seed_interval)}).", "",
               "| effective batch | runs as | samples trained | val-loss gain (mean ± std over seeds) | gain per 1000 "
               "samples | gain per step | steps to target |", "|---|---|---|---|---|---|---|"]
     per_sample, per_step, trained = _gain_rates(a, False), _gain_rates(a, True), _samples_per_batch(a)
