@@ -1,4 +1,4 @@
-"""Does `voxdiff advise` agree with the study's measured critical batch? (long: hours on 2 CPU cores)
+"""Does `voxdiff advise` agree with the study's measured critical batch? (about 15 minutes per micro-batch on 2 free CPU cores)
 
     .venv/bin/python benchmarks/advise_vs_study.py                 # micro-batch 2, seed 0
     .venv/bin/python benchmarks/advise_vs_study.py --micro 1       # med-ddpm's micro-batch
@@ -9,9 +9,9 @@ mlflow.db is touched):
 
 1. trains the study's configuration (params.yaml, micro-batch --micro x accumulate_every 1, seed --seed,
    1536 samples: the study's k = 1 run) with the real Trainer and keeps a checkpoint at each phase the study
-   probed: early, middle, late = 512, 1024, 1536 samples (about 6 minutes of training in all);
+   probed: early, middle, late = 512, 1024, 1536 samples (about 5 minutes of training in all);
 2. runs `voxdiff advise` (its default settings, branches at --micro x 1, 2, 4, 8) on each checkpoint
-   (about 4 minutes each);
+   (about 2.5 minutes each);
 3. reads the study's own B_crit at the same phase from its archive (docs/study/runs: the 12 runs at this
    micro-batch, no LR scaling): the val loss the k = 1 run of this seed had at the phase sets a window
    [loss x 1.15, loss] just above it, and the optimizer steps each archived run took to cross the window

@@ -24,7 +24,7 @@ class AdviseOptions:
     params_path: Path | None = None
     checkpoint: Path | None = None      # None: models/checkpoint.pt, or a warm-up when it does not exist
     world_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    budget_samples: int = 0             # the largest batch's branches; 0 = 12 of its steps, at least 128
+    budget_samples: int = 0             # the largest batch's branches; 0 = 24 of its steps, at least 128
     branch_seeds: int = 2
     branch_batches: tuple[int, ...] = ()  # () = train.batch_size x (1, 2, 4, 8)
     val_draws: int = 8                  # per validation subject, for the branches (training's own: train.val_draws)
@@ -321,8 +321,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
               help="Device counts to predict (one device measured; N devices at N x its samples/s).")
 @click.option("--budget-samples", type=click.IntRange(0), default=0,
               help="Samples the largest batch's branches train (rounded up to whole steps of every batch; the "
-                   "smaller batches stop once past its target) [default: 12 steps of the largest batch, at least "
-                   "128: 192 on the demo].")
+                   "smaller batches stop once past its target) [default: 24 steps of the largest batch, at least "
+                   "128: 384 on the demo].")
 @click.option("--branch-seeds", type=click.IntRange(2), default=2, show_default=True,
               help="Seeds (per-sample draws) per branch batch; the interval is a bootstrap over them.")
 @click.option("--branch-batches", default="", help="Effective batches of the branches [default: train.batch_size "
@@ -357,7 +357,7 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
        the same progress relative to the best, and predicted minutes; the recommendation and why.
 
     Writes reports/advise.md, .json and .png, and logs them to MLflow as a run tagged with the training
-    run it advises on. Nothing under models/ is written. The demo's advice takes about 4 minutes on 2 CPU
+    run it advises on. Nothing under models/ is written. The demo's advice took 2.5 minutes on 2 CPU
     cores (README: "What should I set accumulate_every to?").
     """
     opts = AdviseOptions(root=root, params_path=params_path, checkpoint=checkpoint,

@@ -65,6 +65,7 @@ class BranchCurve:
     losses: tuple[float, ...]
     seconds: float = 0.0   # training time (validations excluded)
     samples: int = 0       # samples it trained (a smaller batch stops once past the target)
+    trained: tuple[int, ...] = ()  # samples trained at each validation (0 first); () = the positions
 
 
 def samples_to_target(positions: Sequence[float], losses: Sequence[float], target: float) -> float | None:
@@ -87,7 +88,7 @@ class BranchFit:
     law: Law | None
     start_loss: float        # the checkpoint's EMA on the branches' validation draws
     target_loss: float | None
-    mean_gain: dict          # batch -> mean val-loss gain at the best validation of its branches
+    mean_gain: dict          # batch -> mean val-loss gain from its first usable validation to its end level
     gain_spread: dict        # batch -> std of that gain over seeds (nan with one seed)
     steps: dict              # batch -> steps to the target, one per seed that reached it
     dropped: list            # "B=8 seed 1" for branches that never reached the target
@@ -129,21 +130,62 @@ def trend(c: BranchCurve) -> tuple[np.ndarray, float]:
     return fitted, float(np.sqrt(np.sum(resid ** 2) / max(len(x) - degree - 1, 1)))
 
 
-def branch_target(curves: list[BranchCurve], fraction: float = TARGET_FRACTION) -> float | None:
-    """The val-loss target every branch is timed to: `fraction` of the mean gain the largest batch's branches
-    made over their whole budget (to their end level), from the checkpoint's EMA; None without a gain."""
+def _trained(c: BranchCurve) -> tuple:
+    return c.trained or c.positions
+
+
+def first_usable(c: BranchCurve, usable_from: float) -> float:
+    """The curve's loss at its first validation after `usable_from` samples trained (its last if none): the
+    level once its EMA has forgotten the checkpoint's, whose lower noise the branch's shorter EMA cannot keep."""
+    for e, loss in zip(_trained(c), c.losses):
+        if e >= usable_from and e > 0:
+            return loss
+    return c.losses[-1]
+
+
+def branch_target(curves: list[BranchCurve], fraction: float = TARGET_FRACTION,
+                  usable_from: float = 0.0) -> float | None:
+    """The val-loss target every branch is timed to: `fraction` of the way from the largest batch's first
+    usable level (`first_usable`) to its end level, in the mean over its seeds; None without a gain."""
     if not curves:
         return None
-    start, big = curves[0].losses[0], max(c.batch for c in curves)
-    gain = float(np.mean([start - end_level(c) for c in curves if c.batch == big]))
-    return start - fraction * gain if gain > 0 else None
+    big = [c for c in curves if c.batch == max(c.batch for c in curves)]
+    ref = float(np.mean([first_usable(c, usable_from) for c in big]))
+    gain = ref - float(np.mean([end_level(c) for c in big]))
+    return ref - fraction * gain if gain > 0 else None
 
 
-def _steps_at(curves: list[BranchCurve], target: float) -> tuple[dict, list]:
+def crossing(c: BranchCurve, target: float, usable_from: float = 0.0) -> tuple[float | None, bool]:
+    """(samples of branch c's own steps to `target`, early).
+
+    Read on the curve's smooth trend (a quadratic in position through its validations after `usable_from`
+    samples trained, a line through 2-4 of them) at the EMA's mean positions: the validations jitter from
+    step to step (Adam's momentum swings over a few steps, which an EMA counted in samples averages at small
+    batches but not at large ones), and a first crossing of the raw points would time the jitter. When the
+    target is passed before `usable_from` (the EMA still held much of the checkpoint's weights, whose
+    positions mix two trajectories), it is read at the samples trained, an upper bound that leaves the EMA's
+    lag in, and `early` is True."""
+    trained = _trained(c)
+    use = [i for i, e in enumerate(trained) if e >= usable_from and e > 0]
+    if len(use) >= 2:
+        x = np.asarray([c.positions[i] for i in use], float)
+        y = np.asarray([c.losses[i] for i in use], float)
+        coef = np.polyfit(x, y, 2 if len(use) >= 5 else 1)
+        grid = np.linspace(x[0], x[-1], 512)
+        below = np.flatnonzero(np.polyval(coef, grid) <= target)
+        if len(below) and below[0] > 0:
+            return (float(grid[below[0]]) if grid[below[0]] > 0 else None), False
+        if not len(below):
+            return None, False
+    e = samples_to_target(trained, c.losses, target)  # passed before the EMA forgot the checkpoint's weights
+    return (e if e is not None and e > 0 else None), e is not None
+
+
+def _steps_at(curves: list[BranchCurve], target: float, usable_from: float = 0.0) -> tuple[dict, list]:
     steps, dropped = {}, []
     for c in curves:
-        e = samples_to_target(c.positions, c.losses, target)
-        if e is None or e <= 0:  # at or before position 0 the weights hold no step of this branch
+        e, _ = crossing(c, target, usable_from)
+        if e is None:
             dropped.append(f"B={c.batch} seed {c.seed}")
             continue
         steps.setdefault(c.batch, []).append(e / c.batch)
@@ -156,7 +198,8 @@ def _fit_steps(steps: dict):
     return fit_critical_batch([b for b, v in steps.items() for _ in v], [s for v in steps.values() for s in v])
 
 
-def jitter_bootstrap(curves: list[BranchCurve], n_boot: int, level: float, seed: int = 0) -> tuple[float, float]:
+def jitter_bootstrap(curves: list[BranchCurve], n_boot: int, level: float, seed: int = 0,
+                     usable_from: float = 0.0) -> tuple[float, float]:
     """Percentile interval of B_crit over replicates that resample the seeds within each batch (as
     convergence.bootstrap_critical_batch does) and each curve's validations: its trend plus residuals drawn
     with replacement, so the interval also holds the jitter between validations, which seeds alone (two,
@@ -177,8 +220,8 @@ def jitter_bootstrap(curves: list[BranchCurve], n_boot: int, level: float, seed:
                 if len(r):
                     losses[1:] += rng.choice(r, size=len(r), replace=True)
                 replicate.append(dataclasses.replace(c, losses=tuple(losses)))
-        target = branch_target(replicate)
-        fit = _fit_steps(_steps_at(replicate, target)[0]) if target is not None else None
+        target = branch_target(replicate, usable_from=usable_from)
+        fit = _fit_steps(_steps_at(replicate, target, usable_from)[0]) if target is not None else None
         values.append(math.inf if fit is None else fit.b_crit)  # no fit: as uninformative as it gets
     alpha = 1.0 - level
     lo, hi = np.quantile(np.asarray(values), [alpha / 2, 1 - alpha / 2], method="inverted_cdf")
@@ -189,35 +232,33 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
                  n_boot: int = BOOTSTRAP) -> BranchFit:
     """Steps each branch took to the same val-loss target (`branch_target`) -> fit S = S_min (1 + B_crit / B)
     (convergence.fit_critical_batch), with an interval from `jitter_bootstrap` (the seed-only interval of
-    convergence.bootstrap_critical_batch, narrower, is kept in `seed_interval`). The steps are the position
-    where the branch's EMA crossed the target, read between validations, / B. A crossing before `usable_from`
-    (a position at which the EMA still held much of the checkpoint's weights) is kept and named in `early`:
-    its position is less exact."""
+    convergence.bootstrap_critical_batch, narrower, is kept in `seed_interval`). The steps are where the
+    branch's EMA crossed the target (`crossing`), read between validations, / B; a crossing within the first
+    `usable_from` samples is an upper bound, named in `early`."""
     start = curves[0].losses[0] if curves else math.nan
     batches = sorted({c.batch for c in curves})
-    gains = {b: [start - end_level(c) for c in curves if c.batch == b] for b in batches}
+    gains = {b: [first_usable(c, usable_from) - end_level(c) for c in curves if c.batch == b] for b in batches}
     mean_gain = {b: float(np.mean(g)) for b, g in gains.items()}
     spread = {b: float(np.std(g, ddof=1)) if len(g) > 1 else math.nan for b, g in gains.items()}
     empty = dict(b_crit=None, lo=None, hi=None, level=level, law=None, start_loss=start, target_loss=None,
                  mean_gain=mean_gain, gain_spread=spread, steps={}, dropped=[], checks={})
-    target = branch_target(curves)
+    target = branch_target(curves, usable_from=usable_from)
     if len(batches) < 2 or target is None:
         big = max(batches) if batches else None
         return BranchFit(**empty, note=(f"the branches at B = {big} did not lower the val loss "
                                         f"({mean_gain.get(big, 0):+.3g}): no target; raise --budget-samples"
                                         if big is not None else "no branches"))
-    steps, dropped = _steps_at(curves, target)
+    steps, dropped = _steps_at(curves, target, usable_from)
     fit = _fit_steps(steps)
     checks = {}
     for f in CHECK_FRACTIONS:
-        other = _fit_steps(_steps_at(curves, branch_target(curves, f))[0])
+        other = _fit_steps(_steps_at(curves, branch_target(curves, f, usable_from), usable_from)[0])
         checks[f] = None if other is None else other.b_crit
-    early = [f"B={c.batch} seed {c.seed}" for c in curves
-             if (e := samples_to_target(c.positions, c.losses, target)) is not None and 0 < e < usable_from]
+    early = [f"B={c.batch} seed {c.seed}" for c in curves if crossing(c, target, usable_from)[1]]
     if fit is None:
         return BranchFit(**{**empty, "target_loss": target, "steps": steps, "dropped": dropped, "checks": checks},
                          note="fewer than two batch sizes reached the target")
-    lo, hi = jitter_bootstrap(curves, n_boot // 4, level)
+    lo, hi = jitter_bootstrap(curves, n_boot // 4, level, usable_from=usable_from)
     seeds = bootstrap_critical_batch(steps, n_boot=n_boot, seed=0, level=level)
     law = Law(fit.s_min, fit.e_min) if fit.resolved else Law.from_b_crit(fit.b_crit, "branches")
     big = max(batches)
@@ -228,8 +269,9 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
                      f"±{noise:.2g} between validations against a gain of {mean_gain[big]:.2g} at B = {big}: more "
                      "--budget-samples or --branch-seeds, or a checkpoint from earlier in training (faster progress)")
     if early:
-        notes.append(f"{', '.join(early)} crossed the target while the EMA still held the checkpoint's weights "
-                     "(a larger --budget-samples sets a deeper target)")
+        notes.append(f"{', '.join(early)} crossed the target while the EMA still held the checkpoint's weights: "
+                     "timed at the samples trained, an upper bound on their steps (a larger --budget-samples sets a "
+                     "deeper target)")
     if not fit.resolved:
         notes.append("steps did not fall with B over the batches tested (B_crit below the smallest)" if fit.b_crit == 0
                      else "steps fell as 1/B over every batch tested (B_crit above the largest)")

@@ -91,7 +91,8 @@ def _setting_json(c: Candidate | None) -> dict | None:
 def as_json(a: Advice) -> dict:
     b, m, plan = a.branch, a.noise.marginal, a.plan
     return finite({
-        "b_crit_branch": b.b_crit if b.resolved else None, "b_crit_branch_ci": [b.lo, b.hi], "ci_level": b.level,
+        # b_crit_branch: 0 when steps did not fall with B (see b_crit_branch_bound), null for inf
+        "b_crit_branch": b.b_crit, "b_crit_branch_ci": [b.lo, b.hi], "ci_level": b.level,
         "b_crit_branch_bound": _bound(b), "b_crit_branch_reliable": b.reliable,
         "b_crit_branch_ci_seeds_only": list(b.seed_interval), "branch_val_jitter": b.jitter,
         "b_noise": m.value, "b_noise_ci": [m.lo, m.hi],
@@ -210,9 +211,9 @@ def markdown(a: Advice, figure: Path) -> str:
               f"{plan.val_draws} draws per validation subject, each validation placed at the mean sample "
               f"position of the EMA's weights (the checkpoint's EMA sits at {plan.ema_position:.0f}): its lag, the same "
               "in samples at every batch, drops out, and so does the raw iterate's gradient noise, larger at small "
-              f"batches. Target: the val loss {_num(b.target_loss, '.5g')} (the checkpoint's EMA: {b.start_loss:.5g}; "
-              f"{100 * (1 - (b.target_loss or b.start_loss) / b.start_loss):.2g} % lower, 80 % of the largest batch's "
-              "gain); the position where each "
+              f"batches. Target: the val loss {_num(b.target_loss, '.5g')} (the checkpoint's EMA: {b.start_loss:.5g}), "
+              "80 % of the way from the largest batch's level once its EMA forgot the checkpoint's "
+              f"(after {plan.usable_from:g} samples) to its end level; the position where each "
               "branch crosses it, read between validations, / B = its steps, fitted with S = S_min(1 + B_crit/B) "
               "(`voxdiff.convergence`); the interval by a bootstrap over seeds and over each curve's validations around "
               "its trend (the seeds alone give "
@@ -276,7 +277,8 @@ def figure(a: Advice, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(a.plan.batches), [str(b) for b in a.plan.batches])
     ax.set(yscale="log", xlabel="effective batch B", ylabel="steps to the target", title="S = S_min (1 + B_crit / B)")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     ax = axes[2]
     ran = [r for r in a.speed if r.samples_per_s]
     ax.plot([r.micro for r in ran], [r.samples_per_s for r in ran], "o-", color="C2")
