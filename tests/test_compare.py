@@ -537,3 +537,67 @@ def test_critical_batch_section_recovers_a_known_b_crit():
     assert all(line.split(" | ")[6].endswith("–∞") for line in perfect)
     two = critical_batch_section(critical_runs(lambda b: 1 + 3.0 / b, [1.0], batches=(1, 2)))
     assert any("needs 3 at least" in line for line in two)
+
+
+def test_archive_filter_selects_a_design_by_run_id(tmp_path):
+    """attributes.run_id IN (...) (MLflow's syntax) picks exactly the named runs of an archive, together
+    with params terms; the report names the filter by its count of ids, not by 32-character ids."""
+    import json
+    import shutil
+
+    from voxdiff.report.compare import parse_param_filter
+    from voxdiff.report.loading import RUN_ID, read_archive
+
+    files = sorted((FIXTURE / "runs").glob("*.json"))
+    records = [json.loads(f.read_text()) for f in files]
+    finished = [r for r in records if r["status"] == "FINISHED" and r["tags"].get("voxdiff.kind") == "train"]
+    pick = [r["run_id"] for r in finished[:4]]
+    term = "attributes.run_id IN (" + ", ".join(f"'{i}'" for i in pick) + ")"
+    assert parse_param_filter(term) == {RUN_ID: frozenset(pick)}
+    runs, _ = read_archive(FIXTURE / "runs", parse_param_filter(term))
+    assert sorted(r.run_id for r in runs) == sorted(pick)
+    seed = finished[0]["params"]["seed"]
+    both = parse_param_filter(f"{term} and params.seed = '{seed}'")
+    runs, _ = read_archive(FIXTURE / "runs", both)
+    assert sorted(r.run_id for r in runs) == sorted(r["run_id"] for r in finished[:4] if r["params"]["seed"] == seed)
+    with pytest.raises(VoxdiffError, match="names no run"):
+        parse_param_filter("attributes.run_id IN ()")
+    with pytest.raises(VoxdiffError, match="no finished training runs matching the filter"):
+        read_archive(FIXTURE / "runs", parse_param_filter("attributes.run_id IN ('nope')"))
+    out = tmp_path / "r.md"
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(FIXTURE / "runs", runs_dir)
+    compare_runs(None, None, out, filter_string=term, runs_dir=runs_dir)
+    assert f"filter `attributes.run_id IN ({len(pick)} run ids)`" in out.read_text()
+
+
+def test_confounders_are_training_differences_not_measurement_keys_added_later_or_an_equal_steps_budget():
+    """A key added after a run was archived (train.lr_schedule) is at the behaviour that run had; a
+    measurement-only key (train.gns_*) never shapes training; the budget keys differ by design when every
+    run made the same number of optimizer steps, and are flagged when the steps differ. Negative control:
+    a real training difference (train.grad_clip) is still reported."""
+    import numpy as np
+
+    from voxdiff.report.loading import RunData
+    from voxdiff.report.statistics import confounders, training_configuration
+
+    def run(k, steps, **params):
+        base = {"seed": "0", "train.lr": "0.001", "train.accumulate_every": str(k)}
+        return RunData(f"r{k}", {**base, **params}, {}, {"total_steps": steps},
+                       *(np.array([1.0]),) * 4, np.array([]), np.array([]), 0.0)
+
+    old = run(1, 1536, **{"train.max_samples": "1536", "train.max_steps": "0"})
+    new = run(2, 1536, **{"train.max_samples": "0", "train.max_steps": "1536", "train.lr_schedule": "constant",
+                          "train.lr_min": "0.0", "train.gns_probe_samples": "16"})
+    assert confounders([old, new], "train.accumulate_every") == {}
+    unequal = run(2, 768, **{"train.max_samples": "1536", "train.max_steps": "0"})
+    old_steps = run(1, 1536, **{"train.max_samples": "1536", "train.max_steps": "0"})
+    assert confounders([old_steps, dataclasses.replace(unequal, params={**unequal.params, "train.max_samples": "3072"})],
+                       "train.accumulate_every") == {"train.max_samples": ["1536", "3072"]}
+    cosine = run(2, 1536, **{"train.lr_schedule": "cosine"})
+    assert confounders([old, cosine], "train.accumulate_every")["train.lr_schedule"] == ["constant", "cosine"]
+    clipped = run(2, 1536, **{"train.max_samples": "1536", "train.max_steps": "0", "train.grad_clip": "0.0"})
+    assert "train.grad_clip" in confounders([old, clipped], "train.accumulate_every")
+    # the same configuration archived before and after a key was added is one configuration
+    again = dataclasses.replace(old, params={**old.params, "train.lr_schedule": "constant", "train.lr_min": "0.0"})
+    assert training_configuration(old) == training_configuration(again)

@@ -2,6 +2,7 @@
 
     python docs/study/grid.py missing          # one line of `-S key=value` overrides per missing run
     python docs/study/grid.py status           # how many runs of each arm are archived
+    python docs/study/grid.py ids steps        # run ids of a design, as a filter term for voxdiff compare
 
 Every run is params.yaml (the demo configuration) with COMMON and the run's own overrides. A run is
 archived when a run with exactly these params is in docs/study/runs/, so `make study` continues where
@@ -71,6 +72,24 @@ def is_archived(overrides: dict, done: list[dict]) -> bool:
     return any(all(p.get(k) == v for k, v in want.items()) for p in done)
 
 
+def design(arm: str) -> list[dict]:
+    """The runs one comparison reads: an arm's own, and for the equal-steps arm also its k = 1 arm, the
+    archived micro-batch 1 x k 1 equal-samples runs (1536 samples = 1536 steps)."""
+    runs = [o for a, o in arms() if a == arm]
+    if arm == "steps":
+        runs += [o for a, o in arms() if a == "main" and o["train.batch_size"] == 1 and o["train.accumulate_every"] == 1]
+    return runs
+
+
+def archived_ids(overrides: list[dict]) -> list[str]:
+    ids = []
+    for path in sorted(RUNS.glob("*.json")) if RUNS.is_dir() else []:
+        record = json.loads(path.read_text())
+        if record.get("status") == "FINISHED" and any(is_archived(o, [record["params"]]) for o in overrides):
+            ids.append(record["run_id"])
+    return ids
+
+
 def missing() -> list[tuple[str, dict]]:
     done = archived()
     return [(arm, o) for arm, o in arms() if not is_archived(o, done)]
@@ -78,6 +97,10 @@ def missing() -> list[tuple[str, dict]]:
 
 def main(argv: list[str]) -> int:
     cmd = argv[1] if len(argv) > 1 else "status"
+    if cmd == "ids":
+        ids = archived_ids(design(argv[2]))
+        print("attributes.run_id IN (" + ", ".join(f"'{i}'" for i in ids) + ")")
+        return 0 if ids else 1
     if cmd == "missing":
         for _, o in missing():
             print(" ".join(f"-S {k}={v}" for k, v in {**COMMON, **o}.items()))
@@ -92,4 +115,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `grid.py missing | head` ends quietly
     sys.exit(main(sys.argv))

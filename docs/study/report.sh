@@ -4,13 +4,18 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH"
 R=docs/study/runs
-voxdiff compare --runs $R --filter "params.\`train.lr_scaling\` = 'none' and params.\`train.batch_size\` = '2'" \
-  --out docs/study/report.md
-voxdiff compare --runs $R --filter "params.\`train.lr_scaling\` = 'none' and params.\`train.batch_size\` = '1'" \
+# The equal-samples design (the first 36 runs): every run trained 1536 samples.
+SAMPLES="params.\`train.max_samples\` = '1536' and params.\`train.lr_scaling\` = 'none'"
+voxdiff compare --runs $R --filter "$SAMPLES and params.\`train.batch_size\` = '2'" --out docs/study/report.md
+voxdiff compare --runs $R --filter "$SAMPLES and params.\`train.batch_size\` = '1'" \
   --out docs/study/report_micro1.md || echo "(no micro-batch 1 runs archived yet)"
+# The equal-steps design: micro-batch 1 x k for 1536 optimizer steps each (its k = 1 arm: the 1536-sample
+# k = 1 runs above); grid.py names its runs.
+voxdiff compare --runs $R --filter "$(python docs/study/grid.py ids steps)" --out docs/study/report_steps.md \
+  || echo "(no equal-steps runs archived yet)"
 # One report per LR rule (micro-batch 2, accumulate_every 1 and 8): does the gap between them shrink?
 for rule in sqrt linear sde; do
-  voxdiff compare --runs $R --filter "params.\`train.lr_scaling\` = '$rule' and params.\`train.batch_size\` = '2'" \
+  voxdiff compare --runs $R --filter "params.\`train.max_samples\` = '1536' and params.\`train.lr_scaling\` = '$rule' and params.\`train.batch_size\` = '2'" \
     --out "docs/study/report_lr_$rule.md" || echo "(no lr_scaling=$rule runs archived yet)"
 done
 python -c "import sys, torch, monai, mlflow, dvc; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, monai {monai.__version__}, mlflow {mlflow.__version__}, dvc {dvc.__version__}')" > docs/study/versions.txt

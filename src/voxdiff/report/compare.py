@@ -18,7 +18,7 @@ import click
 
 from voxdiff.errors import VoxdiffError
 from voxdiff.fsutil import project_relative, project_root, write_text
-from voxdiff.report.loading import find_training_runs, load_run, open_client, read_archive, write_archive
+from voxdiff.report.loading import RUN_ID, find_training_runs, load_run, open_client, read_archive, write_archive
 from voxdiff.tracking.uri import display_uri
 from voxdiff.report.rendering import (bucket_section, critical_batch_section, phase_section, make_figures, mean_std,
                                       messages_for, noise_scale_section, reached_cell, reading_section, render_report)
@@ -144,19 +144,27 @@ def save_compare_view(client, experiment_id: str, tracking_uri: str, group_by: s
     return base + views.view_path(experiment_id, key)
 
 
-def parse_param_filter(filter_string: str | None) -> dict[str, str]:
-    """The subset of MLflow's filter syntax an archive understands: params.`key` = 'value' [and ...]."""
+def parse_param_filter(filter_string: str | None) -> dict[str, str | frozenset]:
+    """The subset of MLflow's filter syntax an archive understands, terms joined by 'and':
+    params.`key` = 'value', and attributes.run_id IN ('id', ...) (a study's design that spans several
+    configurations, e.g. docs/study/grid.py ids steps). The run id term is kept under the key RUN_ID."""
     import re
 
     if not filter_string:
         return {}
-    wanted = {}
+    wanted: dict[str, str | frozenset] = {}
     for part in re.split(r"\s+and\s+", filter_string.strip(), flags=re.I):
-        m = re.fullmatch(r"params\.(?:`([^`]+)`|([\w.]+))\s*=\s*'([^']*)'", part.strip())
-        if not m:
-            raise VoxdiffError(f"--filter {filter_string!r}: with --runs only params.`key` = 'value' terms joined "
-                               "by 'and' are understood")
-        wanted[m.group(1) or m.group(2)] = m.group(3)
+        part = part.strip()
+        if m := re.fullmatch(r"params\.(?:`([^`]+)`|([\w.]+))\s*=\s*'([^']*)'", part):
+            wanted[m.group(1) or m.group(2)] = m.group(3)
+        elif m := re.fullmatch(r"attributes\.run_id\s+in\s*\(([^)]*)\)", part, flags=re.I):
+            ids = re.findall(r"'([^']*)'", m.group(1))
+            if not ids:
+                raise VoxdiffError(f"--filter {filter_string!r}: attributes.run_id IN () names no run")
+            wanted[RUN_ID] = frozenset(ids)
+        else:
+            raise VoxdiffError(f"--filter {filter_string!r}: with --runs only params.`key` = 'value' and "
+                               "attributes.run_id IN ('id', ...) terms joined by 'and' are understood")
     return wanted
 
 

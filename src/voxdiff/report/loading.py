@@ -207,8 +207,20 @@ def record_to_run(record: dict) -> RunData:
                     record.get("start_time", 0))
 
 
-def read_archive(folder: Path, filter_params: dict[str, str] | None = None) -> tuple[list[RunData], str]:
-    """Finished training runs from an archive folder (sorted by run id), and the experiment they name."""
+RUN_ID = "attributes.run_id"  # a filter key: the archived run's id (its value a set of ids)
+
+
+def _matches(record: dict, filter_params: dict) -> bool:
+    for key, want in filter_params.items():
+        have = record["run_id"] if key == RUN_ID else record["params"].get(key)
+        if (have not in want) if isinstance(want, frozenset) else (have != want):
+            return False
+    return True
+
+
+def read_archive(folder: Path, filter_params: dict | None = None) -> tuple[list[RunData], str]:
+    """Finished training runs from an archive folder (sorted by run id), and the experiment they name;
+    `filter_params`: param -> value, and RUN_ID -> a set of run ids (compare.parse_param_filter)."""
     import json
 
     folder = Path(folder)
@@ -225,12 +237,12 @@ def read_archive(folder: Path, filter_params: dict[str, str] | None = None) -> t
             raise VoxdiffError(f"{f}: not a voxdiff run archive (format {ARCHIVE_FORMAT} expected)")
         if record["status"] != "FINISHED" or record["tags"].get("voxdiff.kind") != TRAIN_KIND:
             continue
-        if filter_params and any(record["params"].get(k) != v for k, v in filter_params.items()):
+        if filter_params and not _matches(record, filter_params):
             continue
         runs.append(record_to_run(record))
         experiments.add(record["experiment"])
     if not runs:
-        raise VoxdiffError(f"{folder}: no finished training runs" + (f" with {filter_params}" if filter_params else ""))
+        raise VoxdiffError(f"{folder}: no finished training runs" + (" matching the filter" if filter_params else ""))
     return sorted(runs, key=lambda r: (r.start_time, r.run_id)), "/".join(sorted(experiments))
 
 

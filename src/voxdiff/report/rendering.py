@@ -359,11 +359,21 @@ def runs_table(groups: dict[str, list[RunData]], group_by: str) -> list[str]:
     return lines
 
 
+def short_filter(filter_string: str) -> str:
+    """The filter as a reader wants it: a long run-id list shown by its count."""
+    import re
+
+    def count(m):
+        n = len(re.findall(r"'[^']*'", m.group(1)))
+        return m.group(0) if n <= 3 else f"{m.group(0)[:m.group(0).index('(')]}({n} run ids)"
+    return re.sub(r"attributes\.run_id\s+in\s*\(([^)]*)\)", count, filter_string, flags=re.I)
+
+
 def render_report(*, experiment: str, source: str, group_by: str, filter_string: str | None,
                   groups: list[GroupSummary], by_key: dict[str, list[RunData]], runs: list[RunData],
                   target: float | None, target_given: bool, figures: list[Path], messages: list[str],
                   noise_lines: list[str], reading_lines: list[str], critical_lines: list[str] = ()) -> str:
-    where = f", filter `{filter_string}`" if filter_string else ""
+    where = f", filter `{short_filter(filter_string)}`" if filter_string else ""
     lines = [f"# How `{group_by}` changes convergence", "",
              f"Experiment `{experiment}`{where}: {len(runs)} finished training run(s) in {len(groups)} group(s).",
              "", f"Source: {source}.", ""]

@@ -27,6 +27,12 @@ NOT_TRAINING_PREFIXES = ("mlflow.", "evaluate.", "train.gns_", *MEASUREMENT_ONLY
 NOT_TRAINING_KEYS = {"train.val_every_samples", "train.val_draws", "train.val_seed", "train.checkpoint_every",
                      "train.device", "device_resolved", "train.precision", "train.fp16_max_skipped_steps",
                      "train.compile"}
+# Training keys added after runs were archived, at the value that gives the behaviour those runs had
+# (docs/study/grid.py says the same): a run without the key trained that way, so a missing key is neither
+# a difference between runs nor another configuration.
+ADDED_LATER = {"train.lr_schedule": "constant", "train.lr_min": "0.0"}
+# The budget: varies by design when every run made the same number of optimizer steps (equal steps).
+BUDGET_KEYS = {"train.max_samples", "train.max_steps"}
 # A tag that names what was trained on: the same params on other data are another configuration.
 TRAINING_TAGS = ("voxdiff.data_fingerprint",)
 
@@ -61,12 +67,19 @@ class GroupSummary:
         return sum(bool(reached_plateau(c)) for c in self.plateau)
 
 
+def shapes_training(key: str) -> bool:
+    return not key.startswith(NOT_TRAINING_PREFIXES) and key not in NOT_TRAINING_KEYS
+
+
+def training_params(run: RunData) -> dict[str, str]:
+    """The params that shape a run's training trajectory (seed included), keys added later filled in."""
+    return {k: v for k, v in {**ADDED_LATER, **run.params}.items() if shapes_training(k)}
+
+
 def training_configuration(run: RunData) -> tuple:
-    """What determines a run's training trajectory: every param (seed included) except those that do
-    not shape training, and the data fingerprint."""
-    params = tuple(sorted((k, v) for k, v in run.params.items()
-                          if not k.startswith(NOT_TRAINING_PREFIXES) and k not in NOT_TRAINING_KEYS))
-    return params + tuple((k, run.tags.get(k)) for k in TRAINING_TAGS if k in run.tags)
+    """What determines a run's training trajectory: `training_params` and the data fingerprint."""
+    return tuple(sorted(training_params(run).items())) + tuple((k, run.tags.get(k)) for k in TRAINING_TAGS
+                                                               if k in run.tags)
 
 
 def drop_reruns(runs: list[RunData]) -> tuple[list[RunData], list[RunData]]:
@@ -144,9 +157,17 @@ def posthoc_metrics(runs: list[RunData]) -> dict[str, list[float]]:
 
 
 def confounders(runs: list[RunData], group_by: str) -> dict[str, list[str]]:
-    """Params other than the grouped one (and seed) that differ between runs."""
-    keys = {k for r in runs for k in r.params if not k.startswith(MEASUREMENT_ONLY_PREFIXES)} - EXPECTED_TO_VARY - {group_by}
-    values = {k: sorted({r.params.get(k, "(unset)") for r in runs}) for k in sorted(keys)}
+    """Params that shape training or what is evaluated (evaluate.*), other than the grouped one (and seed),
+    that differ between runs; the budget keys not when every run made the same number of optimizer steps
+    (an equal-steps design)."""
+    params = [{**training_params(r), **{k: v for k, v in r.params.items() if k.startswith("evaluate.")}}
+              for r in runs]
+    expected = EXPECTED_TO_VARY | {group_by}
+    steps = {r.metrics.get("total_steps") for r in runs}
+    if len(steps) == 1 and None not in steps:
+        expected |= BUDGET_KEYS
+    keys = {k for p in params for k in p} - expected
+    values = {k: sorted({p.get(k, "(unset)") for p in params}) for k in sorted(keys)}
     return {k: v for k, v in values.items() if len(v) > 1}
 
 
