@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-ORDER = ("memory", "accumulation", "data", "tracking", "gns", "sampling", "growth", "medddpm", "speed", "phema",
+ORDER = ("memory", "accumulation", "data", "tracking", "gns", "gns_probe", "sampling", "growth", "medddpm", "speed", "phema",
          "advise")
 GPU_NOTE = ("`benchmarks/gpu.sh` measures voxdiff on CUDA at med-ddpm's size (params-gpu.yaml: 128^3, 64 base channels, "
             "batch 1, bf16 autocast) in one short slot: eager and `torch.compile` step time, memory, accumulation "

@@ -29,6 +29,8 @@ COMMON = {"train.val_every_samples": 64, "train.checkpoint_every": 64, "evaluate
 SAMPLES = {"train.max_samples": BUDGET, "train.max_steps": 0}
 EQUAL_STEPS = {"train.max_samples": 0, "train.max_steps": STEPS}
 KS = (1, 2, 4, 8)
+EPS_PILOT_STEPS = 6144  # 4x the x0 runs' steps (about 30 minutes on 2 CPU cores)
+LR_GRID = (5.0e-4, 2.0e-3)
 
 
 def arms() -> list[tuple[str, dict]]:
@@ -37,7 +39,8 @@ def arms() -> list[tuple[str, dict]]:
     of the critical batch (issue: the answer at convergence): micro-batch 1 x k 2/4/8 for STEPS steps
     (the archived 1536-step k = 1 runs are its k = 1 arm), seed 0 of every k first, smallest k first
     (a run cut short by the end of a session is lost: the cheaper ones land first); then the arms that test the noise scale's miss and the
-    regime: clipping off, the L2 loss, a cosine LR decay, med-ddpm's epsilon-prediction regime."""
+    regime: a pilot of med-ddpm's epsilon-prediction regime, clipping off, the L2 loss, a cosine LR decay,
+    and an LR grid at effective batch 1 and 8."""
     out = []
     for seed in (0, 1, 2):
         for micro in (2, 1):
@@ -53,12 +56,24 @@ def arms() -> list[tuple[str, dict]]:
     for seed in (0, 1, 2):
         for k in (2, 4, 8):
             out.append(("steps", {**micro1, "train.accumulate_every": k, "seed": seed}))
+        if seed == 0:
+            # med-ddpm's regime (epsilon-prediction, L1, no clipping): how many steps until it shows
+            # anatomy and plateaus here (docs/tuning.md: still noise after 768 samples). Its arms at
+            # k 1/2/4 are sized from this pilot.
+            out.append(("eps-pilot", {**micro1, "train.max_steps": EPS_PILOT_STEPS, "train.accumulate_every": 1,
+                                      "diffusion.prediction": "epsilon", "train.grad_clip": 0.0, "seed": 0}))
     for seed in (0, 1):
         for k in (1, 8):
             out.append(("steps-noclip", {**micro1, "train.accumulate_every": k, "train.grad_clip": 0.0, "seed": seed}))
             out.append(("steps-l2", {**micro1, "train.accumulate_every": k, "diffusion.loss": "l2", "seed": seed}))
             out.append(("steps-cosine", {**micro1, "train.accumulate_every": k, "train.lr_schedule": "cosine",
                                          "train.lr_min": 1.0e-5, "seed": seed}))
+    # LR per batch (Shallue et al. 2019: most batch-size disagreements are untuned LRs): x0.5 and x2 around
+    # the study's 1e-3 at effective batch 1 and 8; the x1 runs are the steps arm's.
+    for seed in (0, 1):
+        for k in (1, 8):
+            for lr in LR_GRID:
+                out.append(("steps-lr", {**micro1, "train.accumulate_every": k, "train.lr": lr, "seed": seed}))
     return out
 
 

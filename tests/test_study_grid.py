@@ -1,0 +1,62 @@
+"""The study's grid (docs/study/grid.py): every run it would queue is a valid configuration, and the
+designs that reports read select the right archived runs."""
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from voxdiff import params as params_mod
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def grid():
+    spec = importlib.util.spec_from_file_location("grid", ROOT / "docs" / "study" / "grid.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def with_overrides(raw: dict, overrides: dict) -> dict:
+    out = copy.deepcopy(raw)
+    for key, value in overrides.items():
+        section, name = key.split(".", 1) if "." in key else (None, key)
+        (out[section] if section else out)[name] = value
+    return out
+
+
+def test_every_queued_run_is_a_valid_configuration(grid):
+    """A typo in an arm's key or value would only show when the queue reaches it, hours later: the schema
+    checks each run's params (params.yaml + COMMON + its overrides) up front, as `dvc exp run -S` would."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    arms = grid.arms()
+    assert len({json.dumps(o, sort_keys=True) for _, o in arms}) == len(arms), "a run is listed twice"
+    for arm, overrides in arms:
+        p = params_mod.validate(with_overrides(raw, {**grid.COMMON, **overrides}))
+        if overrides.get("train.max_steps"):
+            assert p.train.max_samples == 0, arm
+
+
+def test_designs_select_their_archived_runs(grid):
+    """`grid.py ids steps` is the equal-steps design: its own runs and the 1536-sample micro-batch 1 x k 1
+    runs (1536 steps too), never a k > 1 equal-samples run. The 36 equal-samples runs are all archived."""
+    done = grid.archived()
+    steps_ids = set(grid.archived_ids(grid.design("steps")))
+    records = [json.loads(p.read_text()) for p in sorted(grid.RUNS.glob("*.json"))]
+    by_id = {r["run_id"]: r["params"] for r in records}
+    assert steps_ids
+    for rid in steps_ids:
+        p = by_id[rid]
+        assert p["train.batch_size"] == "1" and p["train.lr_scaling"] == "none"
+        assert int(p["train.max_steps"]) == 1536 or (p["train.accumulate_every"] == "1"
+                                                      and p["train.max_samples"] == "1536")
+    k1 = [i for i, p in by_id.items() if p["train.batch_size"] == "1" and p["train.accumulate_every"] == "1"
+          and p["train.max_samples"] == "1536" and p["train.lr_scaling"] == "none"]
+    assert set(k1) <= steps_ids
+    assert not any(grid.is_archived(o, done) is False for a, o in grid.arms() if a == "main")
+    assert all(a != "main" for a, _ in grid.missing())
