@@ -601,3 +601,54 @@ def test_confounders_are_training_differences_not_measurement_keys_added_later_o
     # the same configuration archived before and after a key was added is one configuration
     again = dataclasses.replace(old, params={**old.params, "train.lr_schedule": "constant", "train.lr_min": "0.0"})
     assert training_configuration(old) == training_configuration(again)
+
+
+def _law_runs(b_crit: float, b_simple: float, batches=(1, 2, 4, 8), seeds=3):
+    """Runs whose val loss follows L = 0.02 + 0.1 exp(-s / 200) in s = steps / (1 + B_crit / B) (so the
+    steps to any target are S_min (1 + B_crit / B) exactly, up to a per-seed jitter of a few %), each with
+    precise-probe readings of `b_simple` (interval x0.75-x1.25) every 64 steps."""
+    import numpy as np
+
+    from voxdiff.report.loading import RunData
+
+    rng = np.random.default_rng(0)
+    runs = []
+    for b in batches:
+        for seed in range(seeds):
+            stretch = (1 + b_crit / b) * (1 + 0.03 * rng.standard_normal())
+            steps = np.arange(8, 1537, 8, dtype=float)
+            loss = 0.02 + 0.1 * np.exp(-steps / stretch / 200)
+            probe = np.arange(64, 1537, 64, dtype=float)
+            value = np.full(len(probe), b_simple)
+            runs.append(RunData(f"b{b}s{seed}", {"seed": str(seed), "effective_batch_size": str(b)}, {}, {},
+                                steps, loss, steps * b, np.full(len(steps), np.nan), np.array([]), np.array([]),
+                                0.0, marginal_gns=(probe, value, 0.75 * value, 1.25 * value)))
+    return runs
+
+
+def test_measured_against_predicted_critical_batch_holds_only_when_the_noise_scale_matches():
+    """Known truth: steps-to-target follow S_min (1 + 2/B). A probe that reads 2 gives ratios within 2x at
+    every target ('yes'); one that reads 0.1 (the study's kind of miss) gives 'no (~20x)'. Without a probe
+    near a target's loss the row says so instead of borrowing one from elsewhere in training."""
+    from voxdiff.report.rendering import critical_batch_section
+
+    def rows(lines):
+        table = lines[lines.index("## Critical batch: measured against predicted"):]
+        return [l for l in table if l.startswith("| 0.") or l.startswith("| plateau")]
+
+    good = rows(critical_batch_section(_law_runs(2.0, 2.0)))
+    assert len(good) == 4  # 3 targets and the plateau row
+    for row in good[:3]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[-1] == "yes", row
+        assert 0.8 < float(cells[-2]) < 1.25, row
+    bad = rows(critical_batch_section(_law_runs(2.0, 0.1)))
+    for row in bad[:3]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[-1].startswith("no (") and 16 < float(cells[-2]) < 25, row
+    runs = _law_runs(2.0, 2.0)
+    for r in runs:  # probes only late in training: none near the early targets
+        steps, value, lo, hi = r.marginal_gns
+        keep = steps > 1400
+        r.marginal_gns = (steps[keep], value[keep], lo[keep], hi[keep])
+    assert "no probe at this loss" in rows(critical_batch_section(runs))[0]

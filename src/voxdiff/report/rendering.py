@@ -89,10 +89,12 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None) ->
                         "after its first validation; not fitted."]
     head = ["target val loss", *(f"S at B = {b:g}" for b in by_batch), "B_crit", "95 % interval", "S_min", "E_min"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    measured = []
     for target in targets:
         steps = {b: [r.crossing(target, r.val_steps) for r in rs] for b, rs in by_batch.items()}
         fit = fit_critical_batch([b for b, v in steps.items() for _ in v], [s for v in steps.values() for s in v])
         ci = bootstrap_critical_batch(steps, n_boot=CRITICAL_BOOTSTRAP, seed=0)
+        measured.append((target, steps, fit, ci))
         if fit.resolved:
             b_cell, s_cell, e_cell = f"**{fit.b_crit:.3g}**", f"{fit.s_min:.3g}", f"{fit.e_min:.3g}"
             if not min(by_batch) <= fit.b_crit <= max(by_batch):
@@ -117,7 +119,78 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None) ->
         changes = [c for r in rs if (c := plateau_change(r.val_steps, r.val_loss)) is not None]
         lines.append(f"| {b:g} | {len(rs)} | {mean_std(levels, '.4g', '.2g')} | {percent_cell(changes)} | "
                      f"{plateau_count(changes)} |")
+    return lines + ["", *measured_vs_predicted(by_batch, measured)]
+
+
+PREDICTION_BAND = 1.2  # a probe counts for a target when the run's val loss there is within this factor of it
+
+
+def probes_near(runs: list[RunData], level: float, band: float = PREDICTION_BAND) -> list[tuple[float, float, float]]:
+    """(B_simple, lo, hi) of the precise probes taken while a run's val loss was within `band` of `level`:
+    B_noise belongs to a point of the loss surface, and runs at the same loss are near the same point."""
+    found = []
+    for r in runs:
+        steps, value, lo, hi = r.marginal_gns
+        if not len(steps):
+            continue
+        loss = r.val_loss_at(steps)
+        for v, a, b, l in zip(value, lo, hi, loss):
+            if l == l and abs(math.log(l / level)) <= math.log(band) and v == v and v > 0:
+                found.append((float(v), float(a), float(b)))
+    return found
+
+
+def measured_vs_predicted(by_batch: dict[float, list[RunData]], measured: list) -> list[str]:
+    """Per target (early targets first): B_crit measured from steps-to-target beside B_simple predicted by
+    the precise probe at the same val loss, their ratio, and where in training the smallest batch reached
+    the target; then the probes at the runs' plateau, where steps-to-target cannot measure B_crit."""
+    every = [r for rs in by_batch.values() for r in rs]
+    if not any(len(r.marginal_gns[0]) for r in every):
+        return ["No run here logged the precise noise-scale probe (`gns_marginal`): no prediction to set "
+                "against the measured B_crit."]
+    small = by_batch[min(by_batch)]
+    budget = float(np.mean([r.val_steps[-1] for r in small]))
+    lines = ["## Critical batch: measured against predicted", "",
+             "B_crit measured (table above, 95 % bootstrap interval over seeds) against the noise scale B_simple "
+             "= tr(Σ)/|G|² that McCandlish et al. (2018) predict it by, from the precise probe (`gns_marginal`, "
+             "marginal over timesteps, its own interval) taken while a run's val loss was within "
+             f"{PREDICTION_BAND:g}× of the target: the median of those probes, and the span of their intervals "
+             "(the lowest lower bound to the highest upper bound). Phase: where the smallest batch reached the "
+             f"target, as a share of its {budget:.0f} steps (early, middle, late: thirds). The prediction holds "
+             "when the ratio lies within 2×.", "",
+             "| target val loss | phase (B = " + f"{min(by_batch):g})" + " | B_crit measured [95 %] | probes | "
+             "B_simple predicted [span] | measured / predicted | within 2× |", "|---|---|---|---|---|---|---|"]
+    for target, steps, fit, ci in measured:
+        at = [s for s in steps[min(by_batch)] if s is not None]
+        share = float(np.mean(at)) / budget if at and budget > 0 else math.nan
+        phase = f"{PHASES[min(2, int(3 * share))]} ({100 * share:.0f} %)" if share == share else "—"
+        b_cell = (f"{fit.b_crit:.3g} [{_bound(ci.lo)}–{_bound(ci.hi)}]" if fit.resolved
+                  else f"{'∞' if fit.b_crit == math.inf else '0'} (unresolved) [{_bound(ci.lo)}–{_bound(ci.hi)}]")
+        lines.append(f"| {target:.4g} | {phase} | {b_cell} | " + _prediction_cells(every, target, fit) + " |")
+    plateau = [plateau_level(r.val_steps, r.val_loss) for r in small]
+    plateau = [v for v in plateau if v is not None]
+    if plateau:
+        level = float(np.mean(plateau))
+        lines.append(f"| plateau of B = {min(by_batch):g} ({level:.4g}) | late | not measurable (the loss no longer "
+                     "falls: steps-to-target are the noise's) | " + _prediction_cells(every, level, None) + " |")
     return lines
+
+
+def _prediction_cells(runs: list[RunData], level: float, fit) -> str:
+    near = probes_near(runs, level)
+    if not near:
+        return "0 | no probe at this loss | — | —"
+    values = np.array([v for v, _, _ in near])
+    lo = [a for _, a, _ in near if a == a]
+    hi = [b for _, _, b in near if b == b]
+    pred = float(np.median(values))
+    span = f"[{min(lo):.3g}–{max(hi):.3g}]" if lo and hi and len(hi) == len(near) else \
+        f"[{min(lo) if lo else 0:.3g}–unresolved]"
+    if fit is None or not fit.resolved:
+        return f"{len(near)} | {pred:.3g} {span} | — | —"
+    ratio = fit.b_crit / pred
+    verdict = "yes" if 0.5 <= ratio <= 2 else f"no ({ratio:.3g}×)" if ratio > 1 else f"no (1/{1 / ratio:.3g}×)"
+    return f"{len(near)} | {pred:.3g} {span} | {ratio:.3g} | {verdict}"
 
 
 def _bound(v: float) -> str:
