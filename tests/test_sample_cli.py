@@ -172,3 +172,24 @@ def test_sample_writes_nothing_before_its_inputs_are_checked(bf16_project, tmp_p
         lines = res.stderr.strip().splitlines()
         assert res.exit_code == 2 and len(lines) == 1 and text in lines[0], (text, res.output)
         assert not (tmp_path / "new").exists(), text
+
+
+def test_sample_sets_the_cuda_backends_as_evaluate_does(bf16_project, tmp_path, monkeypatch):
+    """`voxdiff sample` applies params.yaml's train.tf32 and train.deterministic through the same
+    configure_backends as training and evaluate (a no-op on the CPU: recorded here, checked for CUDA in
+    tests/test_cuda_settings.py); before, sample never called it, so TF32 stayed at PyTorch's defaults."""
+    from voxdiff.training import distributed
+
+    root, params = bf16_project
+    calls = []
+    real = distributed.configure_backends
+    monkeypatch.setattr(distributed, "configure_backends", lambda d, t=True, det=False: calls.append((d.type, t, det))
+                        or real(d, t, det))
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    raw["train"].update(tf32=False, deterministic=True)
+    custom = tmp_path / "params.yaml"
+    custom.write_text(yaml.safe_dump(raw, sort_keys=False))
+    label = write_nifti(tmp_path / "centred.nii.gz", CENTRED.astype(np.int16), np.diag([6.0, 6.0, 6.0, 1.0]))
+    res = sample(root / "models" / "checkpoint.pt", label, tmp_path / "gen.nii.gz", "--steps", 2, "--params", custom)
+    assert res.exit_code == 0, res.output
+    assert calls == [("cpu", False, True)]

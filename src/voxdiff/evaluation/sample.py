@@ -27,7 +27,8 @@ def _nifti_suffix(path: Path) -> bool:
 
 
 def _settings(params_path: Path | None):
-    """(default steps, default seed, device request, precision request) from params.yaml: the given file,
+    """(default steps, default seed, device request, precision request, train.tf32, train.deterministic) from
+    params.yaml (the checkpoint does not hold the train section): the given file,
     else the project's params.yaml when there is one, else built-in defaults. The network, diffusion
     schedule, preprocessing and label values always come from the checkpoint, and so does the precision
     when it says which one training resolved."""
@@ -37,10 +38,10 @@ def _settings(params_path: Path | None):
     if params_path is None:
         candidate = repo_root() / "params.yaml"
         if not candidate.is_file():
-            return DEFAULT_STEPS, 0, "auto", "auto"
+            return DEFAULT_STEPS, 0, "auto", "auto", True, False
         params_path = candidate
     p = load(params_path)
-    return p.evaluate.sampling_steps, p.seed, p.train.device, p.train.precision
+    return p.evaluate.sampling_steps, p.seed, p.train.device, p.train.precision, p.train.tf32, p.train.deterministic
 
 
 def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = None, seed: int | None = None,
@@ -57,7 +58,7 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     from voxdiff.data import nifti
 
     from voxdiff.diffusion import sampling
-    from voxdiff.training.distributed import pick_device
+    from voxdiff.training import distributed
     from voxdiff.errors import VoxdiffError
     from voxdiff.fsutil import atomic_path
     from voxdiff.data.preprocess import preprocess_label, to_original_grid
@@ -71,7 +72,7 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
         raise VoxdiffError("--steps is for --sampler ddim; the ancestral sampler always runs all "
                            "diffusion.timesteps steps of the checkpoint")
     settings = _settings(Path(params_path) if params_path else None)
-    default_steps, default_seed, device_request, precision_request = settings
+    default_steps, default_seed, device_request, precision_request, tf32, deterministic = settings
     steps = default_steps if steps is None else steps
     seed = default_seed if seed is None else seed
 
@@ -84,7 +85,8 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     # preprocess_label reads data.label_values and the preprocess section: the checkpoint's, not params.yaml's.
     view = SimpleNamespace(data=SimpleNamespace(label_values=label_values), preprocess=prep)
     classes, placement, provenance = preprocess_label(label_path, view)
-    device = pick_device(device_request)
+    device = distributed.pick_device(device_request)
+    distributed.configure_backends(device, tf32, deterministic)  # CUDA only: TF32 and cuDNN as evaluate sets them
     rt = sampling.checkpoint_runtime(state, device, precision_request, checkpoint_path)  # evaluate's precision
     net, _, diffusion = sampling.load_ema_network(state, device, source=checkpoint_path, num_classes=len(label_values))
     try:  # the inputs are good: now the output folder, still before the sampling (minutes)
