@@ -83,6 +83,16 @@ def detail_table(rows: list[dict]) -> str:
     return md_table([keys] + [[fmt(r.get(k)) for k in keys] for r in rows])
 
 
+def _elsewhere(update: dict, machine: dict) -> str:
+    """Where an --only rerun ran on another machine than the full run: which, and its configuration."""
+    other = update.get("machine")
+    if not other or all(other.get(k) == machine.get(k) for k in ("cpu", "cores_logical", "device", "native_bf16")):
+        return ""
+    bf16 = {True: ", native bf16", False: ", no native bf16"}.get(other.get("native_bf16"), "")
+    return (f" on another machine ({other['cpu']}, {other['cores_logical']} cores{bf16}; "
+            f"{update.get('config', '')}): its rows are not comparable with the others'")
+
+
 def markdown(results: dict) -> str:
     m = results["machine"]
     lines = ["# voxdiff benchmarks", "",
@@ -90,7 +100,7 @@ def markdown(results: dict) -> str:
              "rerun `make bench` (or `.venv/bin/python benchmarks/run.py`).", "",
              f"- Run: {results['profile']} profile, {results['started']}, {results['elapsed_s'] / 60:.1f} min; "
              f"command `{results['command']}`",
-             *(f"- Updated: {', '.join(u['benchmarks'])} rerun {u['started']} with `{u['command']}`"
+             *(f"- Updated: {', '.join(u['benchmarks'])} rerun {u['started']} with `{u['command']}`" + _elsewhere(u, m)
                for u in results.get("updates", [])),
              f"- Machine: {m['cpu']}, {m['cores_logical']} logical / {m['cores_physical']} physical cores, "
              f"{m['memory_gb']} GB RAM, {m['os']}",

@@ -87,9 +87,10 @@ def main(argv=None) -> int:
     previous = json.loads(out.read_text()) if out.is_file() and a.only else {}
     merged = previous.get("profile") == profile and previous.get("machine", {}).get("device") == str(ctx.device)
     if merged:  # --only: update these benchmarks, keep the others and the header of the run that made them
-        update = {k: results[k] for k in ("started", "command")} | {"benchmarks": names}
-        results.update({k: previous[k] for k in ("started", "command", "elapsed_s", "benchmarks")},
-                       updates=[*previous.get("updates", []), update])
+        # the update names its own machine and configuration: the header's are those of the full run
+        update = {k: results[k] for k in ("started", "command", "machine", "config")} | {"benchmarks": names}
+        results.update({k: previous[k] for k in ("started", "command", "elapsed_s", "benchmarks", "machine", "config")
+                        if k in previous}, updates=[*previous.get("updates", []), update])
 
     import suite
 
