@@ -177,7 +177,11 @@ def main(argv=None) -> int:
 
     runs = study_runs(a.micro)
     extra = a.advise_args.split()
+    from voxdiff.training.distributed import pick_device
+
     rows = []
+    result = {"micro": a.micro, "seed": a.seed, "training_seconds": trained_s, "rows": rows, "window": WINDOW,
+              "machine": harness.machine(pick_device(raw["train"]["device"])), "precision": precision_of(ckpts)}
     for p in phases:
         t1 = time.time()
         opts = dict(root=root, params_path=params, checkpoint=ckpts[p], out=work / f"advise-{p}.md", log=False,
@@ -196,14 +200,21 @@ def main(argv=None) -> int:
             "cost")}, "study_basis": basis, "branch_over_study": br, "branch_within_2x": br_ok, "noise_over_study": nr,
             "noise_within_2x": nr_ok, "advise_seconds": time.time() - t1})
         del advice
-    from voxdiff.training.distributed import pick_device
-
-    result = {"micro": a.micro, "seed": a.seed, "training_seconds": trained_s, "rows": rows, "window": WINDOW,
-              "machine": harness.machine(pick_device(raw["train"]["device"]))}
-    OUT.with_suffix(".json").write_text(json.dumps(result, indent=1, default=float) + "\n")
-    OUT.with_suffix(".md").write_text(markdown(result))
+        write(result)  # after every phase: an interrupted run keeps the phases it finished
     print(markdown(result))
     return 0
+
+
+def write(result: dict) -> None:
+    OUT.with_suffix(".json").write_text(json.dumps(result, indent=1, default=float) + "\n")
+    OUT.with_suffix(".md").write_text(markdown(result))
+
+
+def precision_of(ckpts: dict) -> str:
+    """The precision the checkpoints trained in (the study's archive: bf16, on a CPU with native bf16)."""
+    from voxdiff.training import checkpoint
+
+    return str(checkpoint.load(next(iter(ckpts.values()))).get("precision_resolved", "unknown"))
 
 
 def _n(x, fmt=".3g"):
@@ -211,7 +222,11 @@ def _n(x, fmt=".3g"):
 
 
 def markdown(result: dict) -> str:
+    m = result.get("machine", {})
     lines = [f"# advise against the study (micro-batch {result['micro']}, seed {result['seed']})", "",
+             f"Trained and advised in {result.get('precision', '?')} on {m.get('cpu', '?')} ({m.get('cores_logical', '?')} "
+             f"cores{', native bf16' if m.get('native_bf16') else ', no native bf16' if 'native_bf16' in m else ''}); "
+             f"training to the last phase took {result['training_seconds']:.0f} s. The study's runs trained in bf16.", "",
              "Study: local B_crit from the archived runs' optimizer steps across the window "
              f"[val loss × {WINDOW[0]}, × {WINDOW[1]}] at the val loss the k = 1 run had at the phase "
              "(90 % bootstrap interval over seeds), or, where fewer than 3 batch sizes get that low, the report's "
