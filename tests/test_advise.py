@@ -367,3 +367,32 @@ def test_memory_search_ends_at_out_of_memory_or_when_speed_stops_growing(monkeyp
     table = fit.candidates(fit.Law.from_b_crit(2.0, "branches"), [*rows[:3], fit.SpeedRow(8, None, None, oom=True)],
                            (1,), (1,), fit.Setting(2, 1, 1), 100)
     assert sorted(c.setting.micro for c in table) == [1, 2, 4]
+
+
+def test_an_unbounded_branch_interval_gives_no_multi_device_advice():
+    """Branches whose interval runs from 0 to inf (the study's early phase at the defaults: 168, 0-inf) say
+    nothing about what more devices buy: advise keeps its one-device advice, which holds for any B_crit,
+    and says that the rest is not measured. Negative controls: a bounded interval, and a table resting on
+    the noise scale, are advice as before."""
+    import dataclasses
+    import math
+    from types import SimpleNamespace
+
+    from voxdiff.advise.command import _sentence
+
+    def curve(batch, seed, scale=1.0):
+        at = (0, 8, 16, 32, 64, 96, 128)
+        rate = 0.001 * scale * batch / (batch + 3.0)
+        return fit.BranchCurve(batch, seed, 1, at, tuple(1.0 - rate * s / batch for s in at))
+
+    bounded = fit.fit_branches([curve(b, s, 1 + 0.01 * s) for b in (1, 2, 4, 8) for s in (0, 1, 2)], n_boot=200)
+    wide = dataclasses.replace(bounded, lo=0.0, hi=math.inf)
+    assert fit.uninformative(wide, fit.reconcile(wide, 0.288))
+    assert not fit.uninformative(bounded, fit.reconcile(bounded, 0.288))
+    none = dataclasses.replace(wide, law=None, b_crit=None)
+    assert not fit.uninformative(none, fit.reconcile(none, 0.288))  # the noise scale's table
+    one = SimpleNamespace(setting=SimpleNamespace(micro=4, world=1), minutes=11.2)
+    cost = SimpleNamespace(sentence="accumulate_every 2 needs ~1x the samples")
+    text = _sentence(fit.reconcile(wide, 0.288), wide, cost, one, one, None, True)
+    assert "use micro-batch 4 with accumulate_every 1" in text and "not measured" in text
+    assert "worth it" not in text

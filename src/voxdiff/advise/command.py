@@ -216,8 +216,13 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
     horizon = plan_budget(t, 1).total_samples
     table = fit.candidates(verdict.law, m.speed, opts.world_sizes, sorted(set(ACCUMULATES) | {t.accumulate_every}),
                            current, horizon)
-    best, one = fit.recommend(table), fit.recommend(table, world=1)
-    worth = fit.devices_worth_it(table)
+    one = fit.recommend(table, world=1)
+    if fit.uninformative(branch, verdict):
+        # B_crit anywhere from 0 to inf: the one-device advice holds for any B_crit (accumulation never saves
+        # samples), what more devices buy does not: no multi-device recommendation from a point estimate.
+        best, worth = one, None
+    else:
+        best, worth = fit.recommend(table), fit.devices_worth_it(table)
     interval = (branch.lo, branch.hi) if verdict.trusted == "branches" else (m.noise.marginal.lo, m.noise.marginal.hi)
     cost = fit.current_cost(verdict.law, table, current, one, interval)
     state = m.state
@@ -231,7 +236,8 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
         source=inputs.source, checkpoint=ck, device=str(rt.device), precision=rt.precision, current=current,
         horizon_samples=horizon, speed=m.speed, noise=m.noise, plan=m.branch_plan, curves=m.branches.curves,
         branch=branch, verdict=verdict, table=table, recommended=best, recommended_one_device=one,
-        devices_worth_it=worth, cost=cost, sentence=_sentence(verdict, branch, cost, one, best, worth), seconds=m.seconds,
+        devices_worth_it=worth, cost=cost, sentence=_sentence(verdict, branch, cost, one, best, worth, fit.uninformative(branch, verdict)),
+        seconds=m.seconds,
         training_samples=trained, validation_draws=m.branches.validations * opts.val_draws * plan.val_subjects,
         notes=m.notes + _notes(state, rt, inputs.params, m.speed, m.branch_plan))
 
@@ -260,7 +266,7 @@ def _trained_batch(state: dict) -> int | None:
     return round(int(state["samples_seen"]) / step) if step else None
 
 
-def _sentence(verdict, branch, cost, one, best, worth) -> str:
+def _sentence(verdict, branch, cost, one, best, worth, uninformative: bool = False) -> str:
     """The recommendation's one sentence: what the current setting costs, and what more devices buy."""
     if one is None:
         return "nothing ran: no recommendation"
@@ -278,6 +284,9 @@ def _sentence(verdict, branch, cost, one, best, worth) -> str:
                  one.minutes else "")
     elif worth == 1:
         head += "; a second device would more than double the device-time for the same progress (B past B_crit)"
+    if uninformative:
+        head += ("; what more devices buy is not measured (the branches' interval runs from 0 to inf: raise "
+                 "--budget-samples or --branch-seeds, or advise on a checkpoint where the loss falls faster)")
     return head + "."
 
 

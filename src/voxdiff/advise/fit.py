@@ -288,6 +288,13 @@ class Verdict:
     sentence: str
 
 
+def uninformative(branch: BranchFit, verdict: Verdict) -> bool:
+    """The table rests on the branches, whose interval runs from 0 to inf: their point estimate says nothing
+    about how many devices pay (the study's early phase at advise's defaults: 168, interval 0 to inf)."""
+    return (verdict.trusted == "branches" and branch.lo is not None and branch.lo <= 0
+            and (branch.hi is None or branch.hi == math.inf))
+
+
 def reconcile(branch: BranchFit, b_noise: float | None, b_noise_lo: float | None = None) -> Verdict:
     """Which B_crit the table uses, and what to say when the noise scale disagrees by more than 2x.
     The branches measure the trade-off directly and win whenever they set a target; the noise scale is
