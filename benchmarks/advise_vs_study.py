@@ -238,7 +238,9 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         s, a = r["study"], r["advise"]
         loc, cum = s[r["study_basis"]] or {}, s["cumulative"] or {}
-        ci = a["b_crit_branch_ci"] or [None, None]
+        ci = list(a["b_crit_branch_ci"] or [None, None])
+        if ci[0] is not None and ci[1] is None:  # the JSON writes an unbounded upper end as null
+            ci[1] = math.inf
         basis = ("local window" if r["study_basis"] == "local" else
                  f"deepest common target {loc.get('target', float('nan')):.4f} (local not measurable)")
         lines.append(f"| {r['phase']} | {s['val_loss']:.4f} | {_n(loc.get('b_crit'))} ({_n(loc.get('lo'))}–"
