@@ -163,7 +163,7 @@ def measured_vs_predicted(by_batch: dict[float, list[RunData]], measured: list) 
     for target, steps, fit, ci in measured:
         at = [s for s in steps[min(by_batch)] if s is not None]
         share = float(np.mean(at)) / budget if at and budget > 0 else math.nan
-        phase = f"{PHASES[min(2, int(3 * share))]} ({100 * share:.0f} %)" if share == share else "—"
+        phase = f"{phase_of(share, 1.0)} ({100 * share:.0f} %)" if share == share else "—"
         b_cell = (f"{fit.b_crit:.3g} [{_bound(ci.lo)}–{_bound(ci.hi)}]" if fit.resolved
                   else f"{'∞' if fit.b_crit == math.inf else '0'} (unresolved) [{_bound(ci.lo)}–{_bound(ci.hi)}]")
         lines.append(f"| {target:.4g} | {phase} | {b_cell} | " + _prediction_cells(every, target, fit) + " |")
