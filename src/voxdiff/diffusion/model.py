@@ -7,6 +7,7 @@ from monai.inferers import DiffusionInferer
 from monai.networks.nets import DiffusionModelUNet
 from monai.networks.schedulers import DDPMScheduler
 
+from voxdiff.diffusion.cpu_conv import route_batch_one_convolutions
 from voxdiff.params import Diffusion, Model
 
 
@@ -27,6 +28,7 @@ def build_network(model: Model, num_classes: int, flash_attention: bool = False)
         num_head_channels=model.num_head_channels,
         use_flash_attention=flash_attention,
     )
+    route_batch_one_convolutions(net)  # batch 1 on the CPU: oneDNN instead of slow_conv3d (cpu_conv.py)
     if model.activation_checkpointing:
         enable_activation_checkpointing(net)
     return net
