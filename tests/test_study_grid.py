@@ -60,3 +60,24 @@ def test_designs_select_their_archived_runs(grid):
     assert set(k1) <= steps_ids
     assert not any(grid.is_archived(o, done) is False for a, o in grid.arms() if a == "main")
     assert all(a != "main" for a, _ in grid.missing())
+
+
+def test_the_precision_arm_stays_out_of_the_other_designs(grid):
+    """The fp32 run of the precision arm has every key of the main arm's micro-batch 1 x k 1 seed 0 run but
+    train.precision: it must not count as that run (nor as a k = 1 seed of the equal-steps design), and the
+    precision design must read it together with the bf16 runs of its setting."""
+    (fp32,) = [o for a, o in grid.arms() if a == "precision"]
+    record = {k: str(v) for k, v in {**grid.COMMON, **fp32}.items() if not k.startswith("mlflow.")}
+    main_k1 = [o for a, o in grid.arms() if a == "main" and o["train.batch_size"] == 1
+               and o["train.accumulate_every"] == 1 and o["seed"] == 0]
+    assert main_k1 and not grid.is_archived(main_k1[0], [record])
+    assert grid.is_archived(fp32, [record])
+    # Control: the same record at precision auto is that main run.
+    assert grid.is_archived(main_k1[0], [{**record, "train.precision": "auto"}])
+    assert fp32 in grid.design("precision") and main_k1[0] in grid.design("precision")
+    assert fp32 not in grid.design("steps")
+
+
+def test_missing_keeps_only_the_arms_asked_for(grid):
+    arms = {a for a, _ in grid.missing(["precision", "eps-pilot"])}
+    assert arms <= {"precision", "eps-pilot"}

@@ -1,6 +1,6 @@
 """The study's grid, and which of its runs the archive (docs/study/runs/*.json) still lacks.
 
-    python docs/study/grid.py missing          # one line of `-S key=value` overrides per missing run
+    python docs/study/grid.py missing [ARM..]  # one line of `-S key=value` overrides per missing run (of these arms)
     python docs/study/grid.py status           # how many runs of each arm are archived
     python docs/study/grid.py ids steps        # run ids of a design, as a filter term for voxdiff compare
 
@@ -24,8 +24,11 @@ STEPS = 1536   # optimizer steps of the equal-steps arms: the archived micro-bat
 
 # Keys of every run. The equal-steps arms set train.max_steps instead of max_samples (equal optimizer
 # steps: each effective batch gets the same number of updates, so each can reach its own plateau).
+# train.precision auto: bf16 autocast on a CPU with native bf16 (every run archived before the precision
+# arm), fp32 without; each run records which as `precision_resolved`, and the precision arm measures what
+# the difference does.
 COMMON = {"train.val_every_samples": 64, "train.checkpoint_every": 64, "evaluate.subjects": 2,
-          "evaluate.samples_per_condition": 2, "mlflow.experiment": EXPERIMENT}
+          "evaluate.samples_per_condition": 2, "train.precision": "auto", "mlflow.experiment": EXPERIMENT}
 SAMPLES = {"train.max_samples": BUDGET, "train.max_steps": 0}
 EQUAL_STEPS = {"train.max_samples": 0, "train.max_steps": STEPS}
 KS = (1, 2, 4, 8)
@@ -52,6 +55,11 @@ def arms() -> list[tuple[str, dict]]:
                 for k in (1, 8):  # reference_batch 4 = micro-batch 2 x k 2: k 1 and 8 are the rules' extremes
                     out.append((f"lr-{rule}", {**SAMPLES, "train.batch_size": 2, "train.accumulate_every": k,
                                                "train.lr_scaling": rule, "seed": seed}))
+    # Does the precision change the answer? Micro-batch 1 x k 1, seed 0, in fp32 against the archived bf16
+    # runs of that setting (3 seeds): runs resolved to fp32 on a CPU without native bf16 are pooled with the
+    # bf16 ones only as far as this comparison allows (report_precision.md).
+    out.append(("precision", {**SAMPLES, "train.batch_size": 1, "train.accumulate_every": 1, "train.lr_scaling": "none",
+                              "train.precision": "fp32", "seed": 0}))
     micro1 = {**EQUAL_STEPS, "train.batch_size": 1, "train.lr_scaling": "none"}
     for seed in (0, 1, 2):
         for k in (2, 4, 8):
@@ -89,9 +97,10 @@ def is_archived(overrides: dict, done: list[dict]) -> bool:
 
 def design(arm: str) -> list[dict]:
     """The runs one comparison reads: an arm's own, and for the equal-steps arm also its k = 1 arm, the
-    archived micro-batch 1 x k 1 equal-samples runs (1536 samples = 1536 steps)."""
+    archived micro-batch 1 x k 1 equal-samples runs (1536 samples = 1536 steps); for the precision arm
+    the same runs, its bf16 counterpart."""
     runs = [o for a, o in arms() if a == arm]
-    if arm == "steps":
+    if arm in ("steps", "precision"):
         runs += [o for a, o in arms() if a == "main" and o["train.batch_size"] == 1 and o["train.accumulate_every"] == 1]
     return runs
 
@@ -105,9 +114,10 @@ def archived_ids(overrides: list[dict]) -> list[str]:
     return ids
 
 
-def missing() -> list[tuple[str, dict]]:
+def missing(only: list[str] | None = None) -> list[tuple[str, dict]]:
+    """The runs still to do, in run order; `only`: of these arms."""
     done = archived()
-    return [(arm, o) for arm, o in arms() if not is_archived(o, done)]
+    return [(arm, o) for arm, o in arms() if not is_archived(o, done) and (not only or arm in only)]
 
 
 def main(argv: list[str]) -> int:
@@ -117,7 +127,12 @@ def main(argv: list[str]) -> int:
         print("attributes.run_id IN (" + ", ".join(f"'{i}'" for i in ids) + ")")
         return 0 if ids else 1
     if cmd == "missing":
-        for _, o in missing():
+        known = dict.fromkeys(a for a, _ in arms())
+        unknown = [a for a in argv[2:] if a not in known]
+        if unknown:
+            print(f"grid.py: unknown arm {unknown[0]!r} (arms: {', '.join(known)})", file=sys.stderr)
+            return 2
+        for _, o in missing(argv[2:]):
             print(" ".join(f"-S {k}={v}" for k, v in {**COMMON, **o}.items()))
         return 0
     todo = missing()
@@ -125,7 +140,7 @@ def main(argv: list[str]) -> int:
     for arm in dict.fromkeys(a for a, _ in total):
         n = sum(a == arm for a, _ in total)
         left = sum(a == arm for a, _ in todo)
-        print(f"{arm:10s} {n - left:3d}/{n} archived")
+        print(f"{arm:12s} {n - left:3d}/{n} archived")
     return 0
 
 

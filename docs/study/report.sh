@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH"
 R=docs/study/runs
-# The equal-samples design (the first 36 runs): every run trained 1536 samples.
-SAMPLES="params.\`train.max_samples\` = '1536' and params.\`train.lr_scaling\` = 'none'"
+# The equal-samples design (the first 36 runs): every run trained 1536 samples, at precision auto.
+SAMPLES="params.\`train.max_samples\` = '1536' and params.\`train.lr_scaling\` = 'none' and params.\`train.precision\` = 'auto'"
 voxdiff compare --runs $R --filter "$SAMPLES and params.\`train.batch_size\` = '2'" --out docs/study/report.md
 voxdiff compare --runs $R --filter "$SAMPLES and params.\`train.batch_size\` = '1'" \
   --out docs/study/report_micro1.md || echo "(no micro-batch 1 runs archived yet)"
@@ -13,6 +13,9 @@ voxdiff compare --runs $R --filter "$SAMPLES and params.\`train.batch_size\` = '
 # k = 1 runs above); grid.py names its runs.
 voxdiff compare --runs $R --filter "$(python docs/study/grid.py ids steps)" --out docs/study/report_steps.md \
   || echo "(no equal-steps runs archived yet)"
+# The precision arm: micro-batch 1 x k 1 in fp32 against the same setting's bf16 runs.
+voxdiff compare --runs $R --group-by precision_resolved --filter "$(python docs/study/grid.py ids precision)" \
+  --out docs/study/report_precision.md || echo "(no precision run archived yet)"
 # One report per LR rule (micro-batch 2, accumulate_every 1 and 8): does the gap between them shrink?
 for rule in sqrt linear sde; do
   voxdiff compare --runs $R --filter "params.\`train.max_samples\` = '1536' and params.\`train.lr_scaling\` = '$rule' and params.\`train.batch_size\` = '2'" \

@@ -3,7 +3,8 @@
 # through the DVC experiment queue, each finished run exported to docs/study/runs/<run id>.json, then
 # the reports rebuilt from that archive alone. Resumable: runs already archived are skipped, so the
 # study accumulates across sessions (commit docs/study/runs after each). STUDY_MAX_RUNS=N queues at
-# most N of the missing runs. STUDY_CPUS=0 pins the queue's trainings to core 0 with one thread (so
+# most N of the missing runs; STUDY_ARMS="precision eps-pilot" only those arms' (grid.py status names the
+# arms). STUDY_CPUS=0 pins the queue's trainings to core 0 with one thread (so
 # that other work on the other core leaves their wall time alone). About 5 minutes per equal-samples
 # run on 2 CPU cores; the 1536-step runs take 1536 x k samples (k = 8: about 45-60 minutes).
 set -euo pipefail
@@ -16,7 +17,9 @@ export_runs() {
 
 git diff --quiet HEAD -- src stages dvc.yaml params.yaml || { echo "commit your changes first: queued runs use committed files" >&2; exit 1; }
 dvc repro preprocess
-python docs/study/grid.py missing | head -n "${STUDY_MAX_RUNS:-1000}" > .study-queue || true
+# shellcheck disable=SC2086  # STUDY_ARMS holds several arm names
+python docs/study/grid.py missing ${STUDY_ARMS:-} > .study-queue.all
+head -n "${STUDY_MAX_RUNS:-1000}" .study-queue.all > .study-queue; rm -f .study-queue.all
 echo "queueing $(wc -l < .study-queue) run(s); archived so far:"; python docs/study/grid.py status
 while read -r overrides; do
   # shellcheck disable=SC2086  # the line holds several -S key=value words
