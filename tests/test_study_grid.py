@@ -56,7 +56,8 @@ def test_designs_select_their_archived_runs(grid):
         assert int(p["train.max_steps"]) == 1536 or (p["train.accumulate_every"] == "1"
                                                       and p["train.max_samples"] == "1536")
     k1 = [i for i, p in by_id.items() if p["train.batch_size"] == "1" and p["train.accumulate_every"] == "1"
-          and p["train.max_samples"] == "1536" and p["train.lr_scaling"] == "none"]
+          and p["train.max_samples"] == "1536" and p["train.lr_scaling"] == "none"
+          and p.get("train.precision", "auto") == "auto"]  # the precision arm's fp32 run is not one of them
     assert set(k1) <= steps_ids
     assert not any(grid.is_archived(o, done) is False for a, o in grid.arms() if a == "main")
     assert all(a != "main" for a, _ in grid.missing())
@@ -81,3 +82,15 @@ def test_the_precision_arm_stays_out_of_the_other_designs(grid):
 def test_missing_keeps_only_the_arms_asked_for(grid):
     arms = {a for a, _ in grid.missing(["precision", "eps-pilot"])}
     assert arms <= {"precision", "eps-pilot"}
+
+
+def test_the_epsilon_design_reads_the_pilot_as_its_first_run(grid):
+    """The eps arm's k = 1, seed 0 run is the pilot (constant LR, schedules in samples: its first 3072 steps
+    are a 3072-step run), so the arm must not queue that run again, and its design must read the pilot."""
+    eps = [o for a, o in grid.arms() if a == "eps"]
+    assert all(o["diffusion.prediction"] == "epsilon" and o["train.grad_clip"] == 0.0 for o in eps)
+    assert {(o["seed"], o["train.accumulate_every"]) for o in eps} == {(0, 2), (1, 1), (1, 2)}
+    pilot = [o for a, o in grid.arms() if a == "eps-pilot"]
+    assert len(pilot) == 1 and pilot[0] in grid.design("eps")
+    assert pilot[0]["train.max_steps"] >= grid.EPS_STEPS
+    assert not any(o in grid.design("eps") for a, o in grid.arms() if a == "steps")
