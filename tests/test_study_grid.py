@@ -84,13 +84,13 @@ def test_missing_keeps_only_the_arms_asked_for(grid):
     assert arms <= {"precision", "eps-pilot"}
 
 
-def test_the_epsilon_design_reads_the_pilot_as_its_first_run(grid):
-    """The eps arm's k = 1, seed 0 run is the pilot (constant LR, schedules in samples: its first 3072 steps
-    are a 3072-step run), so the arm must not queue that run again, and its design must read the pilot."""
+def test_the_epsilon_design_is_its_own_runs(grid):
+    """The eps arm: epsilon-prediction without clipping, k 1 and 2 at equal steps, 2 seeds; the fp32 pilot
+    (another length, another precision) is not one of its runs."""
     eps = [o for a, o in grid.arms() if a == "eps"]
-    assert all(o["diffusion.prediction"] == "epsilon" and o["train.grad_clip"] == 0.0 for o in eps)
-    assert {(o["seed"], o["train.accumulate_every"]) for o in eps} == {(0, 2), (1, 1), (1, 2)}
+    assert all(o["diffusion.prediction"] == "epsilon" and o["train.grad_clip"] == 0.0
+               and o["train.max_steps"] == grid.EPS_STEPS for o in eps)
+    assert {(o["seed"], o["train.accumulate_every"]) for o in eps} == {(0, 1), (0, 2), (1, 1), (1, 2)}
     pilot = [o for a, o in grid.arms() if a == "eps-pilot"]
-    assert len(pilot) == 1 and pilot[0] in grid.design("eps")
-    assert pilot[0]["train.max_steps"] >= grid.EPS_STEPS
+    assert len(pilot) == 1 and pilot[0] not in grid.design("eps")
     assert not any(o in grid.design("eps") for a, o in grid.arms() if a == "steps")

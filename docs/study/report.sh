@@ -16,6 +16,17 @@ voxdiff compare --runs $R --filter "$(python docs/study/grid.py ids steps)" --ou
 # The precision arm: micro-batch 1 x k 1 in fp32 against the same setting's bf16 runs.
 voxdiff compare --runs $R --group-by precision_resolved --filter "$(python docs/study/grid.py ids precision)" \
   --out docs/study/report_precision.md || echo "(no precision run archived yet)"
+# med-ddpm's regime (epsilon-prediction, L1, no clipping): micro-batch 1 x k 1 and 2 at equal steps, the
+# 6144-step pilot as the k = 1 seed 0 run.
+voxdiff compare --runs $R --filter "$(python docs/study/grid.py ids eps)" --out docs/study/report_eps.md \
+  || echo "(no epsilon runs archived yet)"
+# The arms that test why the noise scale misses: the equal-steps design with clipping off, with the L2 loss,
+# with a cosine LR decay (effective batch 1 and 4 each).
+for arm in noclip l2 cosine; do
+  ids=$(python docs/study/grid.py ids "steps-$arm") && \
+    voxdiff compare --runs $R --filter "$ids" --out "docs/study/report_steps_$arm.md" \
+    || echo "(no steps-$arm runs archived yet)"
+done
 # One report per LR rule (micro-batch 2, accumulate_every 1 and 8): does the gap between them shrink?
 for rule in sqrt linear sde; do
   voxdiff compare --runs $R --filter "params.\`train.max_samples\` = '1536' and params.\`train.lr_scaling\` = '$rule' and params.\`train.batch_size\` = '2'" \
