@@ -19,7 +19,7 @@ import torch
 
 from voxdiff.training.gns import (GradientNoiseScale, ProbeEstimate, b_simple_from_gram, balanced_accumulate_every,
                                   critical_batch_tradeoff, estimate_from_moments, not_measurable_reason,
-                                  probe_noise_scale, two_pass_estimate)
+                                  adam_preconditioner, probe_noise_scale, two_pass_estimate, two_pass_estimates)
 
 D, SIGMA, DIST_SQ = 16, 1.0, 2.0
 TRUE_GRAD_SQ, TRUE_TRACE = DIST_SQ, D * SIGMA**2
@@ -302,6 +302,66 @@ def test_probe_noise_scale_keys_and_marginal_draws_uniform_over_timesteps():
     assert not any(k.startswith("gns_marginal") for k in off)
 
 
+# --- in Adam's coordinates: B_P = tr(P Sigma) / G^T P G ------------------------------------------------
+def anisotropic_problem(d: int = 64):
+    """Least squares where Adam's view and SGD's differ by far: half the coordinates carry a large, nearly
+    noiseless mean gradient and a small weight (as Adam's 1/sqrt(v) gives them), half a small mean under
+    large noise and a large weight. Per-sample gradient w - x_i, x_i ~ N(mu, diag(sigma^2))."""
+    half = d // 2
+    g_mean = torch.cat([torch.full((half,), 3.0), torch.full((half,), 0.1)])
+    sigma = torch.cat([torch.full((half,), 0.3), torch.full((half,), 1.0)])
+    weight = torch.cat([torch.full((half,), 0.03), torch.full((half,), 1.0)])
+    plain = float((sigma ** 2).sum() / (g_mean ** 2).sum())
+    whitened = float((weight * sigma ** 2).sum() / (weight * g_mean ** 2).sum())
+    w = torch.nn.Parameter(g_mean.clone())  # mu = 0, so G = w
+
+    def make_gradient(seed):
+        def gradient(i):
+            x = sigma * torch.randn(d, generator=torch.Generator().manual_seed(seed * 100_003 + i))
+            return torch.autograd.grad(0.5 * (w - x).pow(2).sum(), [w])
+        return gradient
+    return make_gradient, [weight], plain, whitened
+
+
+def test_weighted_probe_covers_the_analytic_noise_scale_in_adams_coordinates():
+    """The weighted estimate from the same two passes covers tr(P Sigma)/G^T P G (nominal 90 %: >= 85 % of
+    200 probes); the plain one, from the same gradients, is what two_pass_estimate gives and covers the
+    plain B. Negative control: the two truths differ 30x here, and the plain intervals miss the weighted
+    truth in nearly every probe, so the check can fail."""
+    make_gradient, weight, plain, whitened = anisotropic_problem()
+    assert whitened / plain > 10
+    hit_w = hit_p = plain_hits_w = 0
+    for seed in range(200):
+        est = two_pass_estimates(make_gradient(seed), 32, LEVEL, {"plain": None, "adam": weight})
+        w_est, p_est = est["adam"], est["plain"]
+        hit_w += w_est.lo <= whitened <= (w_est.hi if w_est.resolved else math.inf)
+        hit_p += p_est.lo <= plain <= (p_est.hi if p_est.resolved else math.inf)
+        plain_hits_w += p_est.lo <= whitened <= (p_est.hi if p_est.resolved else math.inf)
+        if seed == 0:
+            ref = two_pass_estimate(make_gradient(seed), 32, LEVEL)
+            assert p_est.value == pytest.approx(ref.value, rel=1e-9) and p_est.lo == pytest.approx(ref.lo, rel=1e-9)
+    assert hit_w >= 170 and hit_p >= 170, (hit_w, hit_p)
+    assert plain_hits_w <= 10, plain_hits_w
+
+
+def test_adam_preconditioner_is_what_adams_update_divides_by():
+    """After a few steps of torch.optim.Adam, its next update equals -lr * m_hat * P with P from
+    adam_preconditioner on the state after that step; None before the first step."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(50))
+    opt = torch.optim.Adam([w], lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+    assert adam_preconditioner(opt, [w]) is None
+    for step in range(1, 6):
+        w.grad = torch.randn(50) * (1 + torch.arange(50.0))  # very different scales per coordinate
+        before = w.detach().clone()
+        opt.step()
+        state = opt.state[w]
+        m_hat = state["exp_avg"] / (1 - 0.9 ** step)
+        (P,) = adam_preconditioner(opt, [w])
+        assert torch.allclose(w.detach() - before, -1e-2 * m_hat * P, rtol=1e-3, atol=1e-6)  # float32 differences
+    assert float(P.max() / P.min()) > 10  # the check sees the per-coordinate scales
+
+
 # --- through the Trainer: ConstantPrediction, B = 1/c^2 at every timestep ---------------------------
 class ConstantPrediction(torch.nn.Module):
     """Prediction = a learnable constant volume w = c (as in test_training_controls): with the epsilon
@@ -340,6 +400,23 @@ def test_trainer_probe_covers_one_over_c_squared_marginally_and_per_bucket(tiny_
                 assert out[f"gns_t{b}"] == pytest.approx(truth, rel=0.3), out
                 assert out[f"gns_t{b}_lo"] < out[f"gns_t{b}"] < out[f"gns_t{b}_hi"] and out[f"gns_t{b}_dropped"] == 0
     assert covered >= 8, covered  # nominal 90 %
+
+
+def test_trainer_probe_in_adams_coordinates_after_the_first_step(tiny_root, monkeypatch):
+    """No Adam state before the first step: no gns_marginal_adam. After one step with a gradient of equal
+    size in every coordinate, P is uniform and the weighted B equals the plain one exactly; the optimizer
+    state is left as it was."""
+    tr = probe_trainer(tiny_root, monkeypatch, 0.5, seed=0)
+    assert "gns_marginal_adam" not in tr.bucket_noise_scale()
+    w = tr.net.w
+    w.grad = torch.full_like(w, 0.1)
+    tr.opt.step()
+    tr.opt.zero_grad(set_to_none=True)
+    v_before = tr.opt.state[w]["exp_avg_sq"].clone()
+    out = tr.bucket_noise_scale()
+    assert out["gns_marginal_adam"] == pytest.approx(out["gns_marginal"], rel=1e-6)
+    assert out["gns_marginal_adam_lo"] == pytest.approx(out["gns_marginal_lo"], rel=1e-6)
+    assert torch.equal(tr.opt.state[w]["exp_avg_sq"], v_before) and w.grad is None
 
 
 def test_trainer_probe_with_zero_gradient_reports_unresolvable(tiny_root, monkeypatch):

@@ -260,12 +260,15 @@ def fieller(t: float, u: float, v_tt: float, v_tu: float, v_uu: float, z: float)
     return 0.0, None, False
 
 
-def _dot(a, b):
-    """sum over tensors of <a_k, b_k>, accumulated in float64 (a device scalar: no host read).
-    Temporaries are per tensor (the largest parameter), never a flat copy of the whole gradient."""
+def _dot(a, b, weight=None):
+    """sum over tensors of <a_k, b_k> (or <a_k, w_k b_k> with a per-parameter `weight`), accumulated in
+    float64 (a device scalar: no host read). Temporaries are per tensor (the largest parameter), never a
+    flat copy of the whole gradient."""
     import torch
 
-    return torch.stack([torch.sum(x * y, dtype=torch.float64) for x, y in zip(a, b)]).sum()
+    if weight is None:
+        return torch.stack([torch.sum(x * y, dtype=torch.float64) for x, y in zip(a, b)]).sum()
+    return torch.stack([torch.sum(x * y * w, dtype=torch.float64) for x, y, w in zip(a, b, weight)]).sum()
 
 
 def two_pass_estimate(gradient, count: int, level: float = 0.9) -> ProbeEstimate:
@@ -277,37 +280,53 @@ def two_pass_estimate(gradient, count: int, level: float = 0.9) -> ProbeEstimate
     current g_i), plus per-tensor temporaries; no stack, flat copy or float64 copy of the gradients.
     Cost: 2 x count forward+backward passes, one host read per gradient (its finiteness) and one at the end.
     """
+    return two_pass_estimates(gradient, count, level, {"": None})[""]
+
+
+def two_pass_estimates(gradient, count: int, level: float, metrics: dict) -> dict:
+    """two_pass_estimate under several inner products at once, name -> ProbeEstimate: `metrics` maps a
+    name to None (the plain one) or to a per-parameter weight list w (<a, b>_w = sum w a b, w > 0).
+
+    A weighted B_simple is the noise scale of the whitened gradient w^(1/2) g: every moment it needs is
+    an inner product of the same g_i and S (|S|_w^2 = <S, w S>), so the extra metrics cost dot products,
+    not forward or backward passes."""
     import torch
 
-    total, q, keep = None, [], []
+    total, keep = None, []
+    q = {name: [] for name in metrics}
     for i in range(count):
         g = gradient(i)
-        qi = _dot(g, g)
-        if not math.isfinite(float(qi)):
+        qi = {name: _dot(g, g, w) for name, w in metrics.items()}
+        if not all(math.isfinite(float(v)) for v in qi.values()):
             continue  # inf/NaN gradient (e.g. an fp16 overflow): left out of both passes
         keep.append(i)
-        q.append(qi)
+        for name, v in qi.items():
+            q[name].append(v)
         if total is None:
             total = [x.detach().float().clone() for x in g]
         else:
             torch._foreach_add_(total, [x.float() for x in g])
         del g
     if len(keep) < 3:
-        return ProbeEstimate(len(keep), count - len(keep), level)
-    d = []
+        return {name: ProbeEstimate(len(keep), count - len(keep), level) for name in metrics}
+    d = {name: [] for name in metrics}
     for i in keep:
         g = gradient(i)
-        d.append(_dot(g, total))
+        for name, w in metrics.items():
+            d[name].append(_dot(g, total, w))
         del g
-    s_sq = _dot(total, total)
+    s_sq = {name: _dot(total, total, w) for name, w in metrics.items()}
     del total
-    host = torch.stack(q + d + [s_sq]).cpu().tolist()
-    n = len(keep)
-    return estimate_from_moments(host[:n], host[n:2 * n], host[-1], level, count - n)
+    n, out = len(keep), {}
+    for name in metrics:
+        host = torch.stack(q[name] + d[name] + [s_sq[name]]).cpu().tolist()
+        out[name] = estimate_from_moments(host[:n], host[n:2 * n], host[-1], level, count - n)
+    return out
 
 
 def probe_noise_scale(gradient_of, seed: int, timesteps: int, buckets: int, bucket_samples: int,
-                      marginal_samples: int, n_subjects: int, shape: tuple[int, ...], level: float = 0.9) -> dict:
+                      marginal_samples: int, n_subjects: int, shape: tuple[int, ...], level: float = 0.9,
+                      preconditioner=None) -> dict:
     """The noise-scale probe's history keys: per timestep bucket (gns_t{b}, timesteps uniform in the
     bucket, bucket_samples draws) and marginal over timesteps (gns_marginal: timesteps uniform over
     [0, timesteps) as in training, marginal_samples draws; 0 = off), each with _lo/_hi (the `level`
@@ -324,5 +343,31 @@ def probe_noise_scale(gradient_of, seed: int, timesteps: int, buckets: int, buck
     out = {}
     for prefix, stream, lo, hi, count in groups:
         draws = probe_draws(seed, stream, lo, hi, count, n_subjects, shape)
-        out.update(two_pass_estimate(lambda i: gradient_of(*draws[i]), len(draws), level).record(prefix))
+        metrics = {prefix: None}
+        if prefix == "gns_marginal" and preconditioner is not None:
+            metrics[ADAM_PREFIX] = preconditioner
+        for name, estimate in two_pass_estimates(lambda i: gradient_of(*draws[i]), len(draws), level,
+                                                 metrics).items():
+            out.update(estimate.record(name))
+    return out
+
+
+ADAM_PREFIX = "gns_marginal_adam"
+
+
+def adam_preconditioner(optimizer, params) -> list | None:
+    """P = 1 / (sqrt(v_hat) + eps) per parameter tensor of `params`, from torch.optim.Adam's state
+    (v_hat = exp_avg_sq / (1 - beta2^step), as Adam's own update divides by); None before the first step."""
+    import torch
+
+    group = optimizer.param_groups[0]
+    beta2, eps = group["betas"][1], group["eps"]
+    out = []
+    for p in params:
+        state = optimizer.state.get(p)
+        if not state or "exp_avg_sq" not in state:
+            return None
+        step = float(state["step"])
+        v_hat = state["exp_avg_sq"] / (1.0 - beta2 ** step)
+        out.append(1.0 / (torch.sqrt(v_hat) + eps))
     return out

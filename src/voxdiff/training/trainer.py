@@ -309,8 +309,9 @@ class Trainer:
         timesteps (gns_marginal: train.gns_probe_samples draws, timesteps uniform as in training), each with
         a train.gns_ci_level interval (_lo, _hi), from single-sample gradients of the current weights on
         fixed probe draws of training subjects (gns.probe_noise_scale: two passes, at most two gradient
-        copies alive). The denoising target's variance depends on the noise level, so one B_noise per run
-        averages over very different problems. Touches neither .grad, the optimizer nor any RNG
+        copies alive, three with Adam's preconditioner), and the marginal one also in Adam's whitened
+        coordinates (gns_marginal_adam). The denoising target's variance depends on the noise level, so
+        one B_noise per run averages over very different problems. Touches neither .grad, the optimizer nor any RNG
         (training stays bit for bit the same with the probe on or off)."""
         tr = self.p.train
         params = [q for q in self.net.parameters() if q.requires_grad]
@@ -321,7 +322,8 @@ class Trainer:
 
         return gns.probe_noise_scale(gradient, self.p.seed, self.p.diffusion.timesteps, tr.gns_buckets,
                                      tr.gns_bucket_samples, tr.gns_probe_samples, len(self.train_rows),
-                                     (1, *self.shape), tr.gns_ci_level)
+                                     (1, *self.shape), tr.gns_ci_level,
+                                     gns.adam_preconditioner(self.opt, params))
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state(self, finished: bool, run_id: str | None) -> dict:
