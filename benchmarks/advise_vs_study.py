@@ -23,7 +23,7 @@ mlflow.db is touched):
    there), the comparison falls back to the study report's own figure, B_crit at the deepest target every
    run reaches (`voxdiff compare`'s critical-batch table), and says so; the cumulative fit (steps from the
    start to the phase's loss) is written beside both;
-4. writes benchmarks/advise_vs_study.md and .json: per phase, the study's B_crit with its interval, advise's
+4. writes benchmarks/advise_vs_study.md and .json (advise_vs_study_micro1.* for --micro 1): per phase, the study's B_crit with its interval, advise's
    branch B_crit and noise scale, their ratios to the study's and whether each is within 2x.
 
 A ratio beyond 2x is reported, not hidden: the README section on advise says where and why.
@@ -48,7 +48,11 @@ import harness  # noqa: E402
 
 PHASES = (512, 1024, 1536)
 WINDOW = (1.15, 1.00)   # the local window above the phase's val loss: from loss x 1.15 down to the loss itself
-OUT = harness.HERE / "advise_vs_study"
+OUT = harness.HERE / "advise_vs_study"  # micro-batch 2; another micro-batch writes advise_vs_study_micro<N>
+
+
+def out_path(micro: int) -> Path:
+    return OUT if micro == 2 else OUT.with_name(f"{OUT.name}_micro{micro}")
 
 
 def train_phases(raw: dict, root: Path, phases, work: Path) -> dict[int, Path]:
@@ -195,19 +199,21 @@ def main(argv=None) -> int:
         ref = (study[basis] or {}).get("b_crit")
         br, br_ok = ratio_cell(data["b_crit_branch"], ref)
         nr, nr_ok = ratio_cell(data["b_noise"], ref)
-        rows.append({"phase": p, "study": study, "advise": {k: data[k] for k in (
-            "b_crit_branch", "b_crit_branch_ci", "b_noise", "b_noise_ci", "trusted", "agreement", "recommended_one_device",
-            "cost")}, "study_basis": basis, "branch_over_study": br, "branch_within_2x": br_ok, "noise_over_study": nr,
-            "noise_within_2x": nr_ok, "advise_seconds": time.time() - t1})
+        ar, ar_ok = ratio_cell(data.get("b_noise_adam"), ref)
+        rows.append({"phase": p, "study": study, "advise": {k: data.get(k) for k in (
+            "b_crit_branch", "b_crit_branch_ci", "b_noise", "b_noise_ci", "b_noise_adam", "b_noise_adam_ci", "trusted",
+            "agreement", "recommended_one_device", "cost")}, "study_basis": basis, "branch_over_study": br,
+            "branch_within_2x": br_ok, "noise_over_study": nr, "noise_within_2x": nr_ok, "adam_over_study": ar,
+            "adam_within_2x": ar_ok, "advise_seconds": time.time() - t1})
         del advice
-        write(result)  # after every phase: an interrupted run keeps the phases it finished
+        write(result, out_path(a.micro))  # after every phase: an interrupted run keeps the phases it finished
     print(markdown(result))
     return 0
 
 
-def write(result: dict) -> None:
-    OUT.with_suffix(".json").write_text(json.dumps(result, indent=1, default=float) + "\n")
-    OUT.with_suffix(".md").write_text(markdown(result))
+def write(result: dict, out: Path) -> None:
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=float) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
 
 
 def precision_of(ckpts: dict) -> str:
@@ -233,8 +239,9 @@ def markdown(result: dict) -> str:
              "B_crit at the deepest target every run reaches; cumulative: steps from the start to that loss. advise: "
              "`voxdiff advise` with its defaults on the k = 1 run's checkpoint at the phase.", "",
              "| phase (samples) | val loss | study B_crit used (interval) | basis | study, cumulative | advise "
-             "branches (interval) | ratio | within 2× | noise scale | ratio | within 2× | advise s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "branches (interval) | ratio | within 2× | noise scale | ratio | within 2× | noise scale, Adam's "
+             "coordinates | ratio | within 2× | advise s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         s, a = r["study"], r["advise"]
         loc, cum = s[r["study_basis"]] or {}, s["cumulative"] or {}
@@ -247,6 +254,7 @@ def markdown(result: dict) -> str:
                      f"{_n(loc.get('hi'))}) | {basis} | {_n(cum.get('b_crit'))} | {_n(a['b_crit_branch'])} ({_n(ci[0])}–"
                      f"{_n(ci[1])}) | {_n(r['branch_over_study'], '.2f')} | {r['branch_within_2x']} | "
                      f"{_n(a['b_noise'])} | {_n(r['noise_over_study'], '.2f')} | {r['noise_within_2x']} | "
+                     f"{_n(a.get('b_noise_adam'))} | {_n(r.get('adam_over_study'), '.2f')} | {r.get('adam_within_2x', '—')} | "
                      f"{r['advise_seconds']:.0f} |")
     for r in result["rows"]:
         if r["study"]["left_out"]:

@@ -157,6 +157,7 @@ def test_noise_scale_recovers_the_known_critical_batch(quadratic):
     for bucket in data["noise_scale"]["buckets"]:
         assert bucket["value"] == pytest.approx(B_NOISE, rel=0.35), bucket
     assert data["trusted"] == "branches" and "agrees" in data["agreement"]
+    assert data["b_noise_adam"] is None  # a checkpoint before Adam's first step: nothing to whiten by
 
 
 def test_quadratic_advice_is_the_law_of_its_b_crit(quadratic):
@@ -188,6 +189,11 @@ def test_disagreement_is_reported_and_the_branches_are_trusted(tmp_path, monkeyp
                log=False)
     data = json.loads((tmp_path / "reports" / "advise.json").read_text())
     assert data["b_noise"] == pytest.approx(B_NOISE, rel=0.35)
+    # Adam's moments (restored from the checkpoint) have the same statistics in every coordinate here, so
+    # the probe in Adam's coordinates reads the plain B too: whitening does not explain this miss (Adam's
+    # memory does); null would mean the optimizer state was not restored.
+    assert data["b_noise_adam"] == pytest.approx(data["b_noise"], rel=0.1)
+    assert data["b_noise_adam_ci"][0] < data["b_noise_adam"] < data["b_noise_adam_ci"][1]
     steps = {int(b): np.mean(v) for b, v in data["branches"]["steps_to_target"].items()}
     assert steps[16] / steps[4] > 0.85  # 4x the batch, no fewer steps (SGD at B_crit 4 would take 0.5x)
     # below the smallest batch tested (a bound, not a number), or resolved far below B_simple

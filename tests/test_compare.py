@@ -603,10 +603,11 @@ def test_confounders_are_training_differences_not_measurement_keys_added_later_o
     assert training_configuration(old) == training_configuration(again)
 
 
-def _law_runs(b_crit: float, b_simple: float, batches=(1, 2, 4, 8), seeds=3):
+def _law_runs(b_crit: float, b_simple: float, batches=(1, 2, 4, 8), seeds=3, b_adam: float | None = None):
     """Runs whose val loss follows L = 0.02 + 0.1 exp(-s / 200) in s = steps / (1 + B_crit / B) (so the
     steps to any target are S_min (1 + B_crit / B) exactly, up to a per-seed jitter of a few %), each with
-    precise-probe readings of `b_simple` (interval x0.75-x1.25) every 64 steps."""
+    precise-probe readings of `b_simple` (interval x0.75-x1.25) every 64 steps, and of `b_adam` in Adam's
+    coordinates when given."""
     import numpy as np
 
     from voxdiff.report.loading import RunData
@@ -620,9 +621,11 @@ def _law_runs(b_crit: float, b_simple: float, batches=(1, 2, 4, 8), seeds=3):
             loss = 0.02 + 0.1 * np.exp(-steps / stretch / 200)
             probe = np.arange(64, 1537, 64, dtype=float)
             value = np.full(len(probe), b_simple)
+            adam = np.full(len(probe), b_adam) if b_adam is not None else None
             runs.append(RunData(f"b{b}s{seed}", {"seed": str(seed), "effective_batch_size": str(b)}, {}, {},
                                 steps, loss, steps * b, np.full(len(steps), np.nan), np.array([]), np.array([]),
-                                0.0, marginal_gns=(probe, value, 0.75 * value, 1.25 * value)))
+                                0.0, marginal_gns=(probe, value, 0.75 * value, 1.25 * value),
+                                **({"marginal_adam": (probe, adam, 0.75 * adam, 1.25 * adam)} if adam is not None else {})))
     return runs
 
 
@@ -652,3 +655,23 @@ def test_measured_against_predicted_critical_batch_holds_only_when_the_noise_sca
         keep = steps > 1400
         r.marginal_gns = (steps[keep], value[keep], lo[keep], hi[keep])
     assert "no probe at this loss" in rows(critical_batch_section(runs))[0]
+
+
+def test_the_noise_scale_in_adams_coordinates_gets_its_own_columns_and_verdict():
+    """Runs that logged gns_marginal_adam: the table adds its probes, value, ratio and verdict beside the
+    plain probe's, each judged on its own (here the plain one misses 20x and Adam's matches); runs without
+    it keep the plain table."""
+    from voxdiff.report.rendering import critical_batch_section
+
+    lines = critical_batch_section(_law_runs(2.0, 0.1, b_adam=2.0))
+    table = lines[lines.index("## Critical batch: measured against predicted"):]
+    header = next(l for l in table if l.startswith("| target val loss"))
+    assert "B_simple, Adam" in header
+    rows = [l for l in table if l.startswith("| 0.")]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 11, row
+        assert cells[6].startswith("no (") and cells[10] == "yes", row
+        assert 0.8 < float(cells[9]) < 1.25, row
+    plain = critical_batch_section(_law_runs(2.0, 0.1))
+    assert not any("Adam" in l for l in plain)

@@ -243,6 +243,7 @@ class NoiseReading:
     buckets: list          # [(timestep range (lo, hi), Estimate)], least noisy first
     samples: int           # single-sample gradients in the marginal probe
     level: float
+    adam: Estimate | None = None  # the marginal one in Adam's coordinates (no Adam state: None)
 
 
 def probe_at_checkpoint(trainer: Trainer) -> dict:
@@ -258,7 +259,7 @@ def noise_cost(params: Params, marginal: int) -> int:
 
 
 def noise_scale(session: Session, marginal: int, progress: Progress) -> NoiseReading:
-    from voxdiff.training.gns import bucket_edges
+    from voxdiff.training.gns import ADAM_PREFIX, bucket_edges
 
     progress.phase(f"noise scale: {noise_cost(session.params, marginal)} single-sample gradients")
     tr = session.trainer(session.params_for(1, 1, 1, gns_probe_samples=marginal))
@@ -272,7 +273,7 @@ def noise_scale(session: Session, marginal: int, progress: Progress) -> NoiseRea
 
     edges = bucket_edges(session.params.diffusion.timesteps, t.gns_buckets)
     return NoiseReading(estimate("gns_marginal"), [(edges[b], estimate(f"gns_t{b}")) for b in range(t.gns_buckets)],
-                        marginal, t.gns_ci_level)
+                        marginal, t.gns_ci_level, estimate(ADAM_PREFIX) if ADAM_PREFIX in values else None)
 
 
 # --- c. training branches from the checkpoint ---------------------------------------------------------

@@ -96,6 +96,9 @@ def as_json(a: Advice) -> dict:
         "b_crit_branch_bound": _bound(b), "b_crit_branch_reliable": b.reliable,
         "b_crit_branch_ci_seeds_only": list(b.seed_interval), "branch_val_jitter": b.jitter,
         "b_noise": m.value, "b_noise_ci": [m.lo, m.hi],
+        # the same probe in Adam's whitened coordinates, tr(P Sigma) / G^T P G: reported, not used
+        "b_noise_adam": a.noise.adam.value if a.noise.adam else None,
+        "b_noise_adam_ci": [a.noise.adam.lo, a.noise.adam.hi] if a.noise.adam else [None, None],
         "trusted": a.verdict.trusted, "b_noise_over_b_crit_branch": a.verdict.ratio, "agreement": a.verdict.sentence,
         "b_crit_used": a.verdict.law.b_crit if a.verdict.law else None,
         "recommended": _setting_json(a.recommended), "recommended_one_device": _setting_json(a.recommended_one_device),
@@ -202,6 +205,12 @@ def markdown(a: Advice, figure: Path) -> str:
               f"| all (marginal) | {_num(m.value, none='not resolved')} | {_interval(m.lo, m.hi)} |"]
     for (t0, t1), e in a.noise.buckets:
         lines.append(f"| {t0}–{t1 - 1} | {_num(e.value, none='not resolved')} | {_interval(e.lo, e.hi)} |")
+    if a.noise.adam is not None:
+        e = a.noise.adam
+        lines += [f"| all, in Adam's coordinates | {_num(e.value, none='not resolved')} | {_interval(e.lo, e.hi)} |",
+                  "", "The last row: the marginal draws' tr(PΣ)/GᵀPG with P = 1/(√v̂ + ε) from the checkpoint's Adam "
+                  "state, the noise scale of the gradient Adam acts on (B_simple assumes plain SGD); reported beside "
+                  "the plain one, not used for the advice."]
     lines += ["", "## c. Training branches from the checkpoint", "",
               f"The branches at the largest batch train {plan.samples} samples from the checkpoint (global samples "
               f"{plan.start} onwards: the same samples at every batch within a seed), the smaller batches until "

@@ -14,6 +14,7 @@ TRAIN_KIND = "train"
 ARCHIVE_FORMAT = "voxdiff-run/1"
 CURVE_KEYS = ("val_loss", "samples_seen", "wall_time", "gns", "peak_memory_mb")
 MARGINAL_KEYS = ("gns_marginal", "gns_marginal_lo", "gns_marginal_hi")  # the precise probe, with its interval
+ADAM_KEYS = ("gns_marginal_adam", "gns_marginal_adam_lo", "gns_marginal_adam_hi")  # the same in Adam's coordinates
 
 
 @dataclasses.dataclass
@@ -35,6 +36,8 @@ class RunData:
     # the precise probe, marginal over timesteps: (steps, B_simple, interval lo, hi) at each probe; a bound
     # the probe could not resolve is NaN
     marginal_gns: tuple = (np.array([]),) * 4
+    # the same probe in Adam's whitened coordinates (gns_marginal_adam), logged since it existed
+    marginal_adam: tuple = (np.array([]),) * 4
 
     def val_loss_at(self, steps: np.ndarray) -> np.ndarray:
         """The val loss interpolated at optimizer steps (log-linear between validations; NaN outside them)."""
@@ -139,8 +142,6 @@ def run_data(run_id: str, params: dict, tags: dict, metrics: dict, histories: di
         buckets[key] = (_at_steps(hist["samples_seen"], b_steps, b_steps * batch), b_values)
     steps, val = hist["val_loss"]
     gns_steps, gns = hist["gns"]
-    m_steps, m_value = _curve(histories.get("gns_marginal", {}))
-    bounds = [np.array([histories.get(k, {}).get(int(t), np.nan) for t in m_steps], float) for k in MARGINAL_KEYS[1:]]
     memory = hist["peak_memory_mb"][1]
     return RunData(
         run_id=run_id, params=dict(params), tags=dict(tags), metrics=dict(metrics),
@@ -149,12 +150,19 @@ def run_data(run_id: str, params: dict, tags: dict, metrics: dict, histories: di
         val_wall=_at_steps(hist["wall_time"], steps, np.full(len(steps), np.nan)),
         gns_samples=_at_steps(hist["samples_seen"], gns_steps, gns_steps * batch), gns=gns,
         peak_memory_mb=float(memory.max()) if len(memory) else math.nan, start_time=int(start_time or 0),
-        bucket_gns=buckets, marginal_gns=(m_steps, m_value, *bounds))
+        bucket_gns=buckets, marginal_gns=_probe(histories, MARGINAL_KEYS), marginal_adam=_probe(histories, ADAM_KEYS))
+
+
+def _probe(histories: dict, keys: tuple) -> tuple:
+    """(steps, value, lo, hi) of one probe's history; a bound it could not resolve is NaN."""
+    steps, value = _curve(histories.get(keys[0], {}))
+    bounds = [np.array([histories.get(k, {}).get(int(t), np.nan) for t in steps], float) for k in keys[1:]]
+    return (steps, value, *bounds)
 
 
 def load_run(client, run) -> RunData:
     rid, logged = run.info.run_id, run.data.metrics
-    keys = [k for k in logged if k in CURVE_KEYS + MARGINAL_KEYS or (k.startswith("gns_t") and k[5:].isdigit())]
+    keys = [k for k in logged if k in CURVE_KEYS + MARGINAL_KEYS + ADAM_KEYS or (k.startswith("gns_t") and k[5:].isdigit())]
     histories = {k: _history(client, rid, k) for k in keys}
     return run_data(rid, run.data.params, run.data.tags, logged, histories, run.info.start_time)
 

@@ -125,12 +125,14 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None) ->
 PREDICTION_BAND = 1.2  # a probe counts for a target when the run's val loss there is within this factor of it
 
 
-def probes_near(runs: list[RunData], level: float, band: float = PREDICTION_BAND) -> list[tuple[float, float, float]]:
+def probes_near(runs: list[RunData], level: float, band: float = PREDICTION_BAND,
+                probe: str = "marginal_gns") -> list[tuple[float, float, float]]:
     """(B_simple, lo, hi) of the precise probes taken while a run's val loss was within `band` of `level`:
-    B_noise belongs to a point of the loss surface, and runs at the same loss are near the same point."""
+    B_noise belongs to a point of the loss surface, and runs at the same loss are near the same point.
+    probe: "marginal_gns" (plain) or "marginal_adam" (in Adam's coordinates)."""
     found = []
     for r in runs:
-        steps, value, lo, hi = r.marginal_gns
+        steps, value, lo, hi = getattr(r, probe)
         if not len(steps):
             continue
         loss = r.val_loss_at(steps)
@@ -150,6 +152,7 @@ def measured_vs_predicted(by_batch: dict[float, list[RunData]], measured: list) 
                 "against the measured B_crit."]
     small = by_batch[min(by_batch)]
     budget = float(np.mean([r.val_steps[-1] for r in small]))
+    adam = any(len(r.marginal_adam[0]) for r in every)
     lines = ["## Critical batch: measured against predicted", "",
              "B_crit measured (table above, 95 % bootstrap interval over seeds) against the noise scale B_simple "
              "= tr(Σ)/|G|² that McCandlish et al. (2018) predict it by, from the precise probe (`gns_marginal`, "
@@ -157,27 +160,34 @@ def measured_vs_predicted(by_batch: dict[float, list[RunData]], measured: list) 
              f"{PREDICTION_BAND:g}× of the target: the median of those probes, and the span of their intervals "
              "(the lowest lower bound to the highest upper bound). Phase: where the smallest batch reached the "
              f"target, as a share of its {budget:.0f} steps (early, middle, late: thirds). The prediction holds "
-             "when the ratio lies within 2×.", "",
+             "when the ratio lies within 2×."
+             + (" Adam: the same probe in Adam's whitened coordinates, tr(PΣ)/GᵀPG with P = 1/(√v̂ + ε) from the "
+                "optimizer's state (`gns_marginal_adam`; McCandlish et al.'s B_simple assumes plain SGD), from the "
+                "runs that logged it." if adam else ""), "",
              "| target val loss | phase (B = " + f"{min(by_batch):g})" + " | B_crit measured [95 %] | probes | "
-             "B_simple predicted [span] | measured / predicted | within 2× |", "|---|---|---|---|---|---|---|"]
+             "B_simple predicted [span] | measured / predicted | within 2× |"
+             + (" Adam: probes | B_simple, Adam [span] | measured / Adam | within 2× |" if adam else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|---|---|" if adam else "")]
     for target, steps, fit, ci in measured:
         at = [s for s in steps[min(by_batch)] if s is not None]
         share = float(np.mean(at)) / budget if at and budget > 0 else math.nan
         phase = f"{phase_of(share, 1.0)} ({100 * share:.0f} %)" if share == share else "—"
         b_cell = (f"{fit.b_crit:.3g} [{_bound(ci.lo)}–{_bound(ci.hi)}]" if fit.resolved
                   else f"{'∞' if fit.b_crit == math.inf else '0'} (unresolved) [{_bound(ci.lo)}–{_bound(ci.hi)}]")
-        lines.append(f"| {target:.4g} | {phase} | {b_cell} | " + _prediction_cells(every, target, fit) + " |")
+        lines.append(f"| {target:.4g} | {phase} | {b_cell} | " + _prediction_cells(every, target, fit)
+                     + (" | " + _prediction_cells(every, target, fit, "marginal_adam") if adam else "") + " |")
     plateau = [plateau_level(r.val_steps, r.val_loss) for r in small]
     plateau = [v for v in plateau if v is not None]
     if plateau:
         level = float(np.mean(plateau))
         lines.append(f"| plateau of B = {min(by_batch):g} ({level:.4g}) | late | not measurable (the loss no longer "
-                     "falls: steps-to-target are the noise's) | " + _prediction_cells(every, level, None) + " |")
+                     "falls: steps-to-target are the noise's) | " + _prediction_cells(every, level, None)
+                     + (" | " + _prediction_cells(every, level, None, "marginal_adam") if adam else "") + " |")
     return lines
 
 
-def _prediction_cells(runs: list[RunData], level: float, fit) -> str:
-    near = probes_near(runs, level)
+def _prediction_cells(runs: list[RunData], level: float, fit, probe: str = "marginal_gns") -> str:
+    near = probes_near(runs, level, probe=probe)
     if not near:
         return "0 | no probe at this loss | — | —"
     values = np.array([v for v, _, _ in near])
