@@ -61,6 +61,18 @@ def test_bad_values_name_their_key(overrides, key):
         validate(raw_params(**overrides))
 
 
+def test_exponent_floats_as_dvc_writes_them_load_as_numbers(tmp_path):
+    """`dvc exp run -S train.lr=1e-5` writes `lr: 1e-05` (YAML 1.2); PyYAML's YAML 1.1 would read a string
+    and the run would fail as a bad value: params.load reads it as the number."""
+    raw = raw_params()
+    text = yaml.safe_dump(raw).replace(f"lr_min: {raw['train']['lr_min']}", "lr_min: 1e-05")
+    text = text.replace(f"lr: {raw['train']['lr']}", "lr: 2e-3", 1)
+    assert "lr_min: 1e-05" in text and "lr: 2e-3" in text
+    (tmp_path / "params.yaml").write_text(text)
+    p = load(tmp_path / "params.yaml")
+    assert p.train.lr_min == 1e-05 and p.train.lr == 2e-3
+
+
 def test_missing_and_unknown_keys():
     raw = raw_params()
     del raw["train"]["lr"]

@@ -42,6 +42,31 @@ def test_every_queued_run_is_a_valid_configuration(grid):
             assert p.train.max_samples == 0, arm
 
 
+def test_every_queued_run_survives_the_yaml_that_dvc_writes(grid):
+    """`dvc exp run -S train.lr_min=1e-05` writes `lr_min: 1e-05` into params.yaml (YAML 1.2), which
+    YAML 1.1 reads as a string: every override, written as the grid prints it, must load as the value the
+    grid means (params.load_yaml), or the run fails hours later in the queue."""
+    for arm, overrides in grid.arms():
+        for key, value in overrides.items():
+            loaded = params_mod.load_yaml(f"v: {value}")["v"]
+            assert loaded == value and type(loaded) is type(value), (arm, key, value, loaded)
+    assert yaml.safe_load("v: 1e-05")["v"] == "1e-05"  # negative control: what plain PyYAML does
+
+
+def test_a_run_of_one_arm_never_counts_for_another(grid):
+    """is_archived compares every key any arm sets, at params.yaml's value where an arm leaves it: the
+    no-clip k 4 run is not the steps arm's k 4, and a run archived before a key existed is at its default."""
+    steps_k4 = next(o for a, o in grid.arms() if a == "steps" and o["train.accumulate_every"] == 4 and o["seed"] == 0)
+    noclip_k4 = next(o for a, o in grid.arms() if a == "steps-noclip" and o["train.accumulate_every"] == 4
+                     and o["seed"] == 0)
+    logged = {k: str(v) for k, v in {**grid.COMMON, **noclip_k4}.items() if not k.startswith("mlflow.")}
+    assert grid.is_archived(noclip_k4, [logged]) and not grid.is_archived(steps_k4, [logged])
+    clipped = {**logged, "train.grad_clip": "1.0"}
+    assert grid.is_archived(steps_k4, [clipped])
+    older = {k: v for k, v in clipped.items() if k != "train.lr_schedule"}  # archived before lr_schedule existed
+    assert grid.is_archived(steps_k4, [older])
+
+
 def test_designs_select_their_archived_runs(grid):
     """`grid.py ids steps` is the equal-steps design: its own runs and the 1536-sample micro-batch 1 x k 1
     runs (1536 steps too), never a k > 1 equal-samples run. The 36 equal-samples runs are all archived."""
@@ -53,6 +78,9 @@ def test_designs_select_their_archived_runs(grid):
     for rid in steps_ids:
         p = by_id[rid]
         assert p["train.batch_size"] == "1" and p["train.lr_scaling"] == "none"
+        # never a run of an arm that changes another key (the no-clip arm's k 4 has k 4 and 1536 steps too)
+        assert p.get("train.grad_clip", "1.0") == "1.0" and p.get("diffusion.loss", "l1") == "l1", rid
+        assert p.get("train.lr_schedule", "constant") == "constant" and p.get("train.lr", "0.001") == "0.001", rid
         assert int(p["train.max_steps"]) == 1536 or (p["train.accumulate_every"] == "1"
                                                       and p["train.max_samples"] == "1536")
     k1 = [i for i, p in by_id.items() if p["train.batch_size"] == "1" and p["train.accumulate_every"] == "1"

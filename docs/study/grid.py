@@ -102,10 +102,28 @@ def archived() -> list[dict]:
     return [json.loads(p.read_text())["params"] for p in sorted(RUNS.glob("*.json"))] if RUNS.is_dir() else []
 
 
-def is_archived(overrides: dict, done: list[dict]) -> bool:
-    want = {k: str(v) for k, v in {**COMMON, **overrides}.items() if not k.startswith("mlflow.")}
+def defaults() -> dict:
+    """params.yaml's value, as MLflow logs it (str), of every key some arm sets: a run of one arm must not
+    count as a run of another that leaves the key at its default (the steps arm's k 4 is not the no-clip
+    arm's k 4)."""
+    import yaml
+
+    raw = yaml.safe_load((HERE.parents[1] / "params.yaml").read_text())
+    keys = {k for _, o in arms() for k in {**COMMON, **o} if not k.startswith("mlflow.")}
+    out = {}
+    for key in keys:
+        section, name = key.split(".", 1) if "." in key else (None, key)
+        value = (raw.get(section) or {}).get(name) if section else raw.get(key)
+        if value is not None:
+            out[key] = str(value)
+    return out
+
+
+def is_archived(overrides: dict, done: list[dict], base: dict | None = None) -> bool:
+    base = defaults() if base is None else base
+    want = {**base, **{k: str(v) for k, v in {**COMMON, **overrides}.items() if not k.startswith("mlflow.")}}
     # Keys added after a run was archived are at their default there (constant LR, clipping on, L1).
-    return any(all(p.get(k) == v for k, v in want.items()) for p in done)
+    return any(all(p.get(k, base.get(k)) == v for k, v in want.items()) for p in done)
 
 
 def design(arm: str) -> list[dict]:
@@ -119,18 +137,18 @@ def design(arm: str) -> list[dict]:
 
 
 def archived_ids(overrides: list[dict]) -> list[str]:
-    ids = []
+    ids, base = [], defaults()
     for path in sorted(RUNS.glob("*.json")) if RUNS.is_dir() else []:
         record = json.loads(path.read_text())
-        if record.get("status") == "FINISHED" and any(is_archived(o, [record["params"]]) for o in overrides):
+        if record.get("status") == "FINISHED" and any(is_archived(o, [record["params"]], base) for o in overrides):
             ids.append(record["run_id"])
     return ids
 
 
 def missing(only: list[str] | None = None) -> list[tuple[str, dict]]:
     """The runs still to do, in run order; `only`: of these arms."""
-    done = archived()
-    return [(arm, o) for arm, o in arms() if not is_archived(o, done) and (not only or arm in only)]
+    done, base = archived(), defaults()
+    return [(arm, o) for arm, o in arms() if not is_archived(o, done, base) and (not only or arm in only)]
 
 
 def main(argv: list[str]) -> int:

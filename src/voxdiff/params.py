@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -413,12 +414,33 @@ def _cross_checks(p: Params) -> None:
                           f"data.subjects ({d.subjects}) so that some subjects are left to train on")
 
 
+class _Yaml12Floats(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where a float needs a dot: `lr_min: 1e-05`, which is what `dvc exp run -S
+    train.lr_min=1e-5` writes (DVC's ruamel speaks YAML 1.2), would load as the string '1e-05'. This
+    loader reads YAML 1.2's floats too (PyYAML has no 1.2 mode; ruamel would be a second YAML library)."""
+
+
+_Yaml12Floats.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str):
+    """params.yaml's text as Python values, with YAML 1.2 floats (`_Yaml12Floats`)."""
+    return yaml.load(text, Loader=_Yaml12Floats)  # noqa: S506 - a SafeLoader subclass
+
+
 def load(path: str | Path = "params.yaml") -> Params:
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"{path}: params file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise ParamsError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     return validate(raw)
