@@ -93,7 +93,8 @@ def study_runs(micro: int):
     from voxdiff.report.loading import read_archive
 
     runs, _ = read_archive(harness.REPO / "docs" / "study" / "runs",
-                           {"train.batch_size": str(micro), "train.lr_scaling": "none", "train.max_samples": "1536"})
+                           {"train.batch_size": str(micro), "train.lr_scaling": "none", "train.max_samples": "1536",
+                            "train.precision": "auto"})  # not the precision arm's fp32 run
     return runs
 
 
