@@ -535,8 +535,13 @@ def test_critical_batch_section_recovers_a_known_b_crit():
                if line.startswith("| 0.")]
     assert len(perfect) == 3 and all("unresolved: ∞ (steps fall as 1/B)" in line for line in perfect)
     assert all(line.split(" | ")[6].endswith("–∞") for line in perfect)
-    two = critical_batch_section(critical_runs(lambda b: 1 + 3.0 / b, [1.0], batches=(1, 2)))
-    assert any("needs 3 at least" in line for line in two)
+    # two batch sizes (the cause arms' design): fitted exactly, said so, and still right on the law
+    two = critical_batch_section(critical_runs(lambda b: 1 + 3.0 / b, [0.97, 1.0, 1.03], batches=(1, 4)))
+    assert any("Two effective batches only" in line for line in two)
+    rows = [line.split(" | ") for line in two if line.startswith("| 0.")]
+    assert rows and all(float(r[3].strip("*").split()[0]) == pytest.approx(3.0, rel=0.1) for r in rows)
+    one = critical_batch_section(critical_runs(lambda b: 1 + 3.0 / b, [1.0], batches=(4,)))
+    assert any("needs 2 at least" in line for line in one)
 
 
 def test_archive_filter_selects_a_design_by_run_id(tmp_path):

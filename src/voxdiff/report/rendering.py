@@ -68,9 +68,9 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None) ->
             by_batch.setdefault(b, []).append(r)
     by_batch = dict(sorted(by_batch.items()))
     lines = ["## Critical batch (measured)", ""]
-    if len(by_batch) < 3:
-        return lines + [f"Runs at {len(by_batch)} effective batch size(s): fitting S = S_min(1 + B_crit/B) and "
-                        "checking it needs 3 at least."]
+    if len(by_batch) < 2:
+        return lines + [f"Runs at {len(by_batch)} effective batch size: fitting S = S_min(1 + B_crit/B) needs 2 "
+                        "at least (and 3 to check the law's shape)."]
     every = [r for rs in by_batch.values() for r in rs]
     start, reached = min(float(r.val_loss[0]) for r in every), max(float(r.val_loss.min()) for r in every)
     targets = target_levels(start, reached, CRITICAL_TARGETS)
@@ -84,6 +84,11 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None) ->
               f"loss ({start:.4g}) and the highest best loss ({reached:.4g}), so every run reaches each of them "
               "after its first validation and before its budget ends; the lr is the one each run used, not tuned "
               "per B (Shallue et al. 2019), so B_crit is that of these lrs.", ""]
+    if len(by_batch) == 2:
+        lines += [f"**Two effective batches only** ({' and '.join(f'{b:g}' for b in by_batch)}): the law's two "
+                  "parameters are determined by them exactly, so B_crit here assumes the law's shape, which these "
+                  "runs cannot check (that needs a third batch size): read it as the ratio of steps S(B₁)/S(B₂) "
+                  "= (1 + B_crit/B₁)/(1 + B_crit/B₂) solved for B_crit.", ""]
     if not targets:
         return lines + ["Some run never got below another's first validation loss: no target every run reaches "
                         "after its first validation; not fitted."]
