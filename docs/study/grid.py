@@ -106,17 +106,11 @@ def defaults() -> dict:
     """params.yaml's value, as MLflow logs it (str), of every key some arm sets: a run of one arm must not
     count as a run of another that leaves the key at its default (the steps arm's k 4 is not the no-clip
     arm's k 4)."""
-    import yaml
+    from voxdiff.params import flatten, load_yaml
 
-    raw = yaml.safe_load((HERE.parents[1] / "params.yaml").read_text())
+    flat = flatten(load_yaml((HERE.parents[1] / "params.yaml").read_text()))
     keys = {k for _, o in arms() for k in {**COMMON, **o} if not k.startswith("mlflow.")}
-    out = {}
-    for key in keys:
-        section, name = key.split(".", 1) if "." in key else (None, key)
-        value = (raw.get(section) or {}).get(name) if section else raw.get(key)
-        if value is not None:
-            out[key] = str(value)
-    return out
+    return {k: str(flat[k]) for k in keys if flat.get(k) is not None}
 
 
 def is_archived(overrides: dict, done: list[dict], base: dict | None = None) -> bool:
