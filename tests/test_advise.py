@@ -176,18 +176,37 @@ def test_quadratic_advice_is_the_law_of_its_b_crit(quadratic):
     assert r18["minutes"] / r11["minutes"] == pytest.approx((1 + 8 / bc) / (1 + 1 / bc))
 
 
-def test_disagreement_is_reported_and_the_branches_are_trusted(tmp_path, monkeypatch):
-    """Adam as trained (beta1 0.9, eps 1e-8, its own constant lr) on the same quadratic, from a checkpoint
-    whose Adam moments are warm: its second moment remembers ~1000 steps, so over a short branch each step
-    moves every weight by ~lr / sqrt(v) whatever the batch, and steps to a target barely fall with B (B_crit
-    far below B_simple), while B_simple still reads 4. advise says they disagree and uses the branches."""
+def adam_on_the_quadratic(root, monkeypatch, adam_refit_samples: int) -> dict:
+    """Adam as trained (beta1 0.9, eps 1e-8, its own constant lr) on the quadratic, from a checkpoint trained
+    at batch 2 whose Adam moments are warm (100 steps); branches at 2, 4, 8, 16. The advise.json."""
     shape = (16, 16, 16)
     monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes, **kw: ConstantPrediction(shape, C))
-    make_project(tmp_path, {**QUADRATIC, "train.adam_betas": [0.9, 0.999], "train.adam_eps": 1e-8,
-                            "train.lr": 1e-2, "train.batch_size": 2, "train.accumulate_every": 1}, warm_steps=100)
-    a = advise(tmp_path, branch_batches=(2, 4, 8, 16), world_sizes=(1,), max_micro_batch=2, probe_samples=32,
-               log=False)
-    data = json.loads((tmp_path / "reports" / "advise.json").read_text())
+    make_project(root, {**QUADRATIC, "train.adam_betas": [0.9, 0.999], "train.adam_eps": 1e-8,
+                        "train.lr": 1e-2, "train.batch_size": 2, "train.accumulate_every": 1}, warm_steps=100)
+    advise(root, branch_batches=(2, 4, 8, 16), world_sizes=(1,), max_micro_batch=2, probe_samples=32,
+           adam_refit_samples=adam_refit_samples, log=False)
+    return json.loads((root / "reports" / "advise.json").read_text())
+
+
+def test_adams_second_moment_refit_per_branch_gives_each_batch_its_own_step(tmp_path, monkeypatch):
+    """Adam divides by sqrt(v), v -> G^2 + sigma^2/B = (4/d^2)(C^2 + 1/B) per coordinate once it has trained at
+    batch B: far below the noise floor (this lr), a step moves w by ~lr G / sqrt(v), so the steps to the
+    same gain scale as sqrt(v_B): batch 16 needs sqrt((C^2 + 1/16) / (C^2 + 1/2)) = 0.65x the steps of batch 2.
+    With v refit per branch (the default) the branches measure that; keeping the checkpoint's batch-2 v
+    (test_disagreement_is_reported_and_the_branches_are_trusted, the negative control) they read ~1x."""
+    data = adam_on_the_quadratic(tmp_path, monkeypatch, 64)
+    steps = {int(b): np.mean(v) for b, v in data["branches"]["steps_to_target"].items()}
+    expected = math.sqrt((C ** 2 + 1 / 16) / (C ** 2 + 1 / 2))
+    assert steps[16] / steps[2] == pytest.approx(expected, rel=0.15), steps
+    assert steps[8] / steps[2] == pytest.approx(math.sqrt((C ** 2 + 1 / 8) / (C ** 2 + 1 / 2)), rel=0.15), steps
+
+
+def test_disagreement_is_reported_and_the_branches_are_trusted(tmp_path, monkeypatch):
+    """The same Adam with the checkpoint's second moment kept (--adam-refit-samples 0): it remembers ~1000
+    steps of batch 2, so over a short branch each step moves every weight by ~lr / sqrt(v_2) whatever the
+    batch, and steps to a target barely fall with B (B_crit far below B_simple), while B_simple still reads
+    4. advise says they disagree and uses the branches."""
+    data = adam_on_the_quadratic(tmp_path, monkeypatch, 0)
     assert data["b_noise"] == pytest.approx(B_NOISE, rel=0.35)
     # Adam's moments (restored from the checkpoint) have the same statistics in every coordinate here, so
     # the probe in Adam's coordinates reads the plain B too: whitening does not explain this miss (Adam's

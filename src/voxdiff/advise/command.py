@@ -29,6 +29,7 @@ class AdviseOptions:
     branch_batches: tuple[int, ...] = ()  # () = train.batch_size x (1, 2, 4, 8)
     val_draws: int = 8                  # per validation subject, for the branches (training's own: train.val_draws)
     probe_samples: int = 0              # 0 = train.gns_probe_samples (32 when that is 0)
+    adam_refit_samples: int = 64        # single-sample gradients that refit Adam's v per branch batch; 0 = keep
     max_micro_batch: int = 64
     speed_steps: int = 2
     warmup_samples: int = 256
@@ -40,7 +41,7 @@ class AdviseOptions:
         return {"checkpoint": str(self.checkpoint or DEFAULT_CHECKPOINT), "world_sizes": ",".join(map(str, self.world_sizes)),
                 "budget_samples": self.budget_samples or "auto", "branch_seeds": self.branch_seeds,
                 "branch_batches": ",".join(map(str, self.branch_batches)) or "auto", "val_draws": self.val_draws,
-                "probe_samples": self.probe_samples or "auto",
+                "probe_samples": self.probe_samples or "auto", "adam_refit_samples": self.adam_refit_samples,
                 "max_micro_batch": self.max_micro_batch, "warmup_samples": self.warmup_samples}
 
 
@@ -165,7 +166,7 @@ def _work_estimate(opts: AdviseOptions, inputs: Inputs, plan: Plan) -> float:
     sweep = sum(m * (opts.speed_steps + 1) for m in (1, 2, 4, 8) if m <= opts.max_micro_batch)
     branches = samples * per_branch
     validations = (1 + points * per_branch) * opts.val_draws * plan.val_subjects / 3
-    return (sweep + measure.noise_cost(inputs.params, plan.marginal) + branches + validations
+    return (sweep + measure.noise_cost(inputs.params, plan.marginal) + branches + validations + opts.adam_refit_samples
             + (opts.warmup_samples if inputs.state is None else 0))
 
 
@@ -196,7 +197,7 @@ def measure_all(opts: AdviseOptions, inputs: Inputs, plan: Plan, rt, echo) -> Me
         noise = measure.noise_scale(session, plan.marginal, progress)
         lap("noise scale")
         branch_plan = measure.plan_branches(session, plan.batches, opts.branch_seeds, opts.budget_samples,
-                                            opts.val_draws, speed)
+                                            opts.val_draws, speed, opts.adam_refit_samples)
         branches = measure.run_branches(session, branch_plan, progress)
         lap("branches")
     finally:
@@ -341,6 +342,10 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
                    "few to resolve a short branch's gain).")
 @click.option("--probe-samples", type=click.IntRange(0), default=0,
               help="Single-sample gradients of the marginal noise-scale probe [default: train.gns_probe_samples].")
+@click.option("--adam-refit-samples", type=click.IntRange(0), default=64, show_default=True,
+              help="Single-sample gradients from which each branch's Adam second moment is set to what it settles "
+                   "to at that branch's batch (the checkpoint's remembers ~1000 steps of its own batch, which a "
+                   "short branch cannot forget); 0 keeps the checkpoint's.")
 @click.option("--max-micro-batch", type=click.IntRange(1), default=64, show_default=True,
               help="Largest micro-batch the memory/speed search tries.")
 @click.option("--warmup-samples", type=click.IntRange(1), default=256, show_default=True,
@@ -350,7 +355,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 @click.option("--no-log", is_flag=True, help="Do not log the advice to MLflow.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, branch_seeds, branch_batches,
-                   val_draws, probe_samples, max_micro_batch, warmup_samples, out, no_log, progress):
+                   val_draws, probe_samples, adam_refit_samples, max_micro_batch, warmup_samples, out, no_log,
+                   progress):
     """What accumulate_every (and micro-batch, and device count) costs or saves on your own model, at your
     own point in training, measured in a few minutes from a checkpoint, on the device training uses.
 
@@ -373,7 +379,8 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
                          world_sizes=_ints(world_sizes, "--world-sizes"), budget_samples=budget_samples,
                          branch_seeds=branch_seeds,
                          branch_batches=_ints(branch_batches, "--branch-batches") if branch_batches else (),
-                         val_draws=val_draws, probe_samples=probe_samples, max_micro_batch=max_micro_batch,
+                         val_draws=val_draws, probe_samples=probe_samples,
+                         adam_refit_samples=adam_refit_samples, max_micro_batch=max_micro_batch,
                          warmup_samples=warmup_samples, out=out, log=not no_log, progress=progress)
     advice = run_advise(opts)
     click.echo(summary(advice))

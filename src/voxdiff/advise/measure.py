@@ -289,6 +289,7 @@ class BranchPlan:
     val_draws: int             # validation draws per validation subject
     ema_halflife: float        # train.ema_halflife_samples of the branches
     ema_position: float        # mean sample position of the checkpoint's EMA weights, from the branches' start
+    adam_refit_samples: int = 0  # single-sample gradients that set each branch's Adam v to its batch's; 0 = keep
 
     @property
     def usable_from(self) -> float:
@@ -337,7 +338,7 @@ def branch_samples(params: Params, batches, requested: int) -> int:
 
 
 def plan_branches(session: Session, batches: tuple[int, ...], seeds: int, samples: int, val_draws: int,
-                  speed: list[SpeedRow]) -> BranchPlan:
+                  speed: list[SpeedRow], adam_refit_samples: int = 0) -> BranchPlan:
     unit = math.lcm(*batches)  # every branch steps onto each validation point and the start (= max for 2^n)
     start = math.ceil(session.samples_seen / unit) * unit  # a few draws skipped, never repeated
     ran = {r.micro: r.samples_per_s for r in speed if r.samples_per_s}
@@ -351,7 +352,7 @@ def plan_branches(session: Session, batches: tuple[int, ...], seeds: int, sample
     first = session.params.seed
     return BranchPlan(batches, tuple(first + i for i in range(seeds)), branch_samples(session.params, batches, samples),
                       start, unit, micro, t.lr * now, val_draws, branch_ema_halflife(session.params, batches),
-                      ema_position(session.state, t.ema_halflife_samples) - start)
+                      ema_position(session.state, t.ema_halflife_samples) - start, adam_refit_samples)
 
 
 @dataclasses.dataclass
@@ -368,7 +369,7 @@ class BranchRun:
 
 
 def _branch(session: Session, plan: BranchPlan, b: int, seed: int, first: float, target: float | None,
-            progress: Progress) -> tuple[BranchCurve, int, str]:
+            moments, progress: Progress) -> tuple[BranchCurve, int, str]:
     """One branch: train from the checkpoint at effective batch b, validating the EMA every plan.val_every
     samples at its weights' mean position (tracked exactly, step by step, with the beta optimizer_step used),
     until plan.samples or, with a target, two validations in a row at or below it. Returns the curve, the
@@ -379,6 +380,8 @@ def _branch(session: Session, plan: BranchPlan, b: int, seed: int, first: float,
     p = session.params_for(m, b // m, plan.start + plan.samples, seed=seed, lr=plan.lr, lr_schedule="constant",
                            warmup_samples=0, val_draws=plan.val_draws, ema_halflife_samples=plan.ema_halflife)
     tr = session.trainer(p)
+    if moments is not None:
+        tr.refit_adam_second_moment(moments)
     c = tr.counters
     c.step, c.samples_seen = plan.start // b, plan.start
     progress.phase(f"branches: seed {seed}, effective batch {b} ({m} x {b // m})")
@@ -423,12 +426,22 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
     to +70 % at B = 2), a B-dependent offset that is not progress; the EMA's hardly depends on B
     (branch_ema_halflife), and its lag is removed by placing each validation at the weights' mean position.
     Why a target deep in the largest batch's branch: smaller batches reach it sooner, and it must still
-    lie past the samples in which their EMA forgets the checkpoint (plan.usable_from)."""
+    lie past the samples in which their EMA forgets the checkpoint (plan.usable_from).
+    Why Adam's second moment is refit per batch (plan.adam_refit_samples): the checkpoint's v averages
+    ~1/(1 - beta2) steps of the trained batch's squared gradients; a branch of a few dozen steps keeps it,
+    so at a larger batch Adam divides a less noisy gradient by the smaller batch's v and every batch takes
+    about the same step, a B-independence that is the checkpoint's memory, not this point's critical batch
+    (a run trained at that batch from scratch has its own v)."""
     from voxdiff.advise.fit import branch_target
 
     progress.phase("branches: the checkpoint's EMA")
     tr = session.trainer(session.params_for(1, 1, 1, val_draws=plan.val_draws))
     first = tr.validation_loss()  # the same weights and draws at the start of every branch
+    moments = None
+    if plan.adam_refit_samples:
+        progress.phase(f"branches: Adam's second moment from {plan.adam_refit_samples} single-sample gradients")
+        moments = tr.gradient_moments(plan.adam_refit_samples)
+        progress.tick(plan.adam_refit_samples)
     del tr
     run = BranchRun([], None, 1, [])
     order = sorted(plan.batches, reverse=True)
@@ -436,7 +449,7 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
         if b != order[0] and run.target is None:
             break  # the largest batch made no gain: nothing to time the others to
         for seed in plan.seeds:
-            curve, validations, note = _branch(session, plan, b, seed, first, run.target, progress)
+            curve, validations, note = _branch(session, plan, b, seed, first, run.target, moments, progress)
             run.curves.append(curve)
             run.validations += validations
             if note:

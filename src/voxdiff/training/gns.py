@@ -353,6 +353,58 @@ def probe_noise_scale(gradient_of, seed: int, timesteps: int, buckets: int, buck
 
 
 ADAM_PREFIX = "gns_marginal_adam"
+# probe_draws "bucket" tag of the draws that refit Adam's second moment (advise's branches): its own stream.
+MOMENT_STREAM = 0x5A17
+
+
+@dataclasses.dataclass
+class GradientMoments:
+    """Per-coordinate mean and mean square of n single-sample gradients (one tensor per parameter)."""
+    mean: list
+    mean_sq: list
+    n: int
+
+    def batch_second_moment(self, batch: int, clip: float = 0.0) -> list:
+        """E[(s_B g_B)^2] per coordinate, g_B the mean gradient of `batch` samples and s_B the clip's scale:
+        what Adam's bias-corrected second moment v_hat settles to when it trains at this batch here.
+
+        Unclipped, E[g_B^2] = G^2 + sigma^2 / B per coordinate. With A = mean of g_i^2 and C = (mean g_i)^2
+        over n draws, E[A] = G^2 + sigma^2 and E[C] = G^2 + sigma^2 / n, so
+        G^2 + sigma^2 / B = (n (1 - 1/B) C + (n/B - 1) A) / (n - 1), unbiased and >= 0 for B <= n (B = 1
+        gives A, B = n gives C). The clip (train.grad_clip on the whole gradient's norm) scales by
+        s_B^2 ~ min(1, clip^2 / E|g_B|^2), |g_B|^2 concentrating in many dimensions."""
+        import torch
+
+        n = self.n
+        a, c = (n / batch - 1) / (n - 1), n * (1 - 1 / batch) / (n - 1)
+        out = [torch.clamp(a * sq + c * m * m, min=0.0) for m, sq in zip(self.mean, self.mean_sq)]
+        if clip > 0:
+            norm_sq = float(sum(torch.sum(v, dtype=torch.float64) for v in out))
+            if norm_sq > clip * clip:
+                out = [v * (clip * clip / norm_sq) for v in out]
+        return out
+
+
+def gradient_moments(gradient, count: int) -> GradientMoments:
+    """GradientMoments of gradient(i), i < count (non-finite gradients left out), in float32 accumulators:
+    two gradient-sized copies alive besides the current gradient."""
+    import torch
+
+    total = total_sq = None
+    n = 0
+    for i in range(count):
+        g = [x.detach().float() for x in gradient(i)]
+        if not all(bool(torch.isfinite(x).all()) for x in g):
+            continue
+        n += 1
+        if total is None:
+            total, total_sq = [x.clone() for x in g], [x * x for x in g]
+        else:
+            torch._foreach_add_(total, g)
+            torch._foreach_addcmul_(total_sq, g, g)
+    if n < 2:
+        raise ValueError(f"only {n} of {count} single-sample gradients were finite")
+    return GradientMoments([x / n for x in total], [x / n for x in total_sq], n)
 
 
 def adam_preconditioner(optimizer, params) -> list | None:

@@ -314,16 +314,38 @@ class Trainer:
         one B_noise per run averages over very different problems. Touches neither .grad, the optimizer nor any RNG
         (training stays bit for bit the same with the probe on or off)."""
         tr = self.p.train
-        params = [q for q in self.net.parameters() if q.requires_grad]
-
-        def gradient(position: int, t: int, noise: torch.Tensor):
-            loss = self.losses(self.net, *self.on_device([position], [t], [noise])).sum()
-            return torch.autograd.grad(loss, params)
-
-        return gns.probe_noise_scale(gradient, self.p.seed, self.p.diffusion.timesteps, tr.gns_buckets,
+        return gns.probe_noise_scale(self.sample_gradient, self.p.seed, self.p.diffusion.timesteps, tr.gns_buckets,
                                      tr.gns_bucket_samples, tr.gns_probe_samples, len(self.train_rows),
                                      (1, *self.shape), tr.gns_ci_level,
-                                     gns.adam_preconditioner(self.opt, params))
+                                     gns.adam_preconditioner(self.opt, self.trainable()))
+
+    def trainable(self) -> list:
+        return [q for q in self.net.parameters() if q.requires_grad]
+
+    def sample_gradient(self, position: int, t: int, noise: torch.Tensor):
+        """One training sample's loss gradient at the current (raw) weights, one tensor per trainable
+        parameter; touches neither .grad, the optimizer nor any RNG."""
+        loss = self.losses(self.net, *self.on_device([position], [t], [noise])).sum()
+        return torch.autograd.grad(loss, self.trainable())
+
+    def gradient_moments(self, count: int) -> gns.GradientMoments:
+        """Per-coordinate mean and mean square of `count` single-sample gradients on fixed draws (their
+        own stream, timesteps uniform as in training) of training subjects."""
+        from voxdiff.diffusion.objective import probe_draws
+
+        draws = probe_draws(self.p.seed, gns.MOMENT_STREAM, 0, self.p.diffusion.timesteps, count,
+                            len(self.train_rows), (1, *self.shape))
+        return gns.gradient_moments(lambda i: self.sample_gradient(*draws[i]), count)
+
+    def refit_adam_second_moment(self, moments: gns.GradientMoments) -> None:
+        """Set Adam's second moment to what it settles to when training at this trainer's effective batch
+        here (moments.batch_second_moment with train.grad_clip), keeping its step count: a restored state
+        otherwise carries ~1/(1 - beta2) steps (1000 at 0.999) of another batch's gradient statistics."""
+        beta2 = self.opt.param_groups[0]["betas"][1]
+        v_hat = moments.batch_second_moment(self.budget.effective_batch, self.p.train.grad_clip)
+        for p, v in zip(self.trainable(), v_hat):
+            state = self.opt.state[p]
+            state["exp_avg_sq"].copy_(v * (1.0 - beta2 ** float(state["step"])))
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state(self, finished: bool, run_id: str | None) -> dict:
