@@ -89,13 +89,23 @@ def train_phases(raw: dict, root: Path, phases, work: Path) -> dict[int, Path]:
     return paths
 
 
-def study_runs(micro: int):
+def study_runs(micro: int, design: str = "equal-steps"):
+    """The study's runs of this micro-batch in its main regime (x0, L1, clip 1, constant lr 1e-3, bf16 via
+    precision auto, not the precision arm's fp32 run). At micro-batch 1 the equal-steps design: k = 1 from
+    the 1536-sample runs, k = 2, 4, 8 from the 1536-step runs (which reach the middle and late phases' val
+    loss, so the local B_crit is measurable there); at micro-batch 2 the 1536-sample runs."""
     from voxdiff.report.loading import read_archive
 
     runs, _ = read_archive(harness.REPO / "docs" / "study" / "runs",
-                           {"train.batch_size": str(micro), "train.lr_scaling": "none", "train.max_samples": "1536",
-                            "train.precision": "auto"})  # not the precision arm's fp32 run
-    return runs
+                           {"train.batch_size": str(micro), "train.lr_scaling": "none", "train.precision": "auto",
+                            "diffusion.prediction": "sample", "diffusion.loss": "l1", "train.grad_clip": "1.0",
+                            "train.lr": "0.001"})
+    constant = [r for r in runs if r.params.get("train.lr_schedule") in (None, "constant")]
+    samples = [r for r in constant if r.params.get("train.max_samples") == "1536"]
+    steps = [r for r in constant if r.params.get("train.max_steps") == "1536"]
+    if design == "equal-samples" or micro != 1 or not steps:
+        return samples
+    return [r for r in samples if r.params.get("train.accumulate_every") == "1"] + steps
 
 
 def study_b_crit(runs, seed: int, phase: int) -> dict:
@@ -162,6 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--phases", default=",".join(map(str, PHASES)))
     ap.add_argument("--advise-args", default="", help="extra `voxdiff advise` options, e.g. '--budget-samples 256'")
+    ap.add_argument("--no-control", action="store_true",
+                    help="skip the control: advise again with --adam-refit-samples 0 (the checkpoint's Adam v kept)")
     a = ap.parse_args(argv)
     phases = [int(p) for p in a.phases.split(",")]
 
@@ -181,11 +193,16 @@ def main(argv=None) -> int:
     from voxdiff.advise.command import AdviseOptions, run_advise
 
     runs = study_runs(a.micro)
+    samples_runs = study_runs(a.micro, "equal-samples")
+    if {id(r) for r in samples_runs} == {id(r) for r in runs}:
+        samples_runs = runs
     extra = a.advise_args.split()
     from voxdiff.training.distributed import pick_device
 
     rows = []
-    result = {"micro": a.micro, "seed": a.seed, "training_seconds": trained_s, "rows": rows, "window": WINDOW,
+    design = ("k = 1 from the 1536-sample runs, k = 2, 4, 8 from the 1536-step runs"
+              if any(r.params.get("train.max_steps") == "1536" for r in runs) else "the 1536-sample runs")
+    result = {"study_design": design, "micro": a.micro, "seed": a.seed, "training_seconds": trained_s, "rows": rows, "window": WINDOW,
               "machine": harness.machine(pick_device(raw["train"]["device"])), "precision": precision_of(ckpts)}
     for p in phases:
         t1 = time.time()
@@ -193,9 +210,16 @@ def main(argv=None) -> int:
                     progress=False, branch_batches=tuple(a.micro * f for f in (1, 2, 4, 8)))
         for key, value in zip(extra[::2], extra[1::2]):  # --budget-samples 256 -> budget_samples=256
             opts[key.lstrip("-").replace("-", "_")] = int(value)
+        control = None
+        if not a.no_control:  # first, so that the default's files are the ones left in work/
+            run_advise(AdviseOptions(**{**opts, "adam_refit_samples": 0, "out": work / f"advise-{p}-v-kept.md"}),
+                       echo=lambda s: print(s, file=sys.stderr))
+            control = json.loads((work / f"advise-{p}-v-kept.json").read_text())
+        t1 = time.time()
         advice = run_advise(AdviseOptions(**opts), echo=lambda s: print(s, file=sys.stderr))
         data = json.loads((work / f"advise-{p}.json").read_text())
         study = study_b_crit(runs, a.seed, p)
+        replicate = study_b_crit(samples_runs, a.seed, p) if samples_runs is not runs else None
         basis = "local" if study["local"] else "deepest_common_target"
         ref = (study[basis] or {}).get("b_crit")
         br, br_ok = ratio_cell(data["b_crit_branch"], ref)
@@ -205,7 +229,11 @@ def main(argv=None) -> int:
             "b_crit_branch", "b_crit_branch_ci", "b_noise", "b_noise_ci", "b_noise_adam", "b_noise_adam_ci", "trusted",
             "agreement", "recommended_one_device", "cost")}, "study_basis": basis, "branch_over_study": br,
             "branch_within_2x": br_ok, "noise_over_study": nr, "noise_within_2x": nr_ok, "adam_over_study": ar,
-            "adam_within_2x": ar_ok, "advise_seconds": time.time() - t1})
+            "adam_within_2x": ar_ok, "advise_seconds": time.time() - t1,
+            "study_equal_samples_runs": replicate,
+            "control_v_kept": None if control is None else {
+                "b_crit_branch": control["b_crit_branch"], "b_crit_branch_ci": control["b_crit_branch_ci"],
+                "ratio": ratio_cell(control["b_crit_branch"], ref)[0]}})
         del advice
         write(result, out_path(a.micro))  # after every phase: an interrupted run keeps the phases it finished
     print(markdown(result))
@@ -228,6 +256,23 @@ def _n(x, fmt=".3g"):
     return "—" if x is None else ("∞" if x == math.inf else format(x, fmt))
 
 
+def _interval(ci) -> str:
+    ci = list(ci or [None, None])
+    if ci[0] is not None and ci[1] is None:  # the JSON writes an unbounded upper end as null
+        ci[1] = math.inf
+    return f"({_n(ci[0])}–{_n(ci[1])})"
+
+
+def control_cells(control: dict | None) -> str:
+    if control is None:
+        return "— | —"
+    return f"{_n(control['b_crit_branch'])} {_interval(control['b_crit_branch_ci'])} | {_n(control['ratio'], '.2f')}"
+
+
+def study_design(result: dict) -> str:
+    return result.get("study_design", "the 1536-sample runs")
+
+
 def markdown(result: dict) -> str:
     m = result.get("machine", {})
     lines = [f"# advise against the study (micro-batch {result['micro']}, seed {result['seed']})", "",
@@ -238,25 +283,38 @@ def markdown(result: dict) -> str:
              f"[val loss × {WINDOW[0]}, × {WINDOW[1]}] at the val loss the k = 1 run had at the phase "
              "(90 % bootstrap interval over seeds), or, where fewer than 3 batch sizes get that low, the report's "
              "B_crit at the deepest target every run reaches; cumulative: steps from the start to that loss. advise: "
-             "`voxdiff advise` with its defaults on the k = 1 run's checkpoint at the phase.", "",
+             "`voxdiff advise` with its defaults on the k = 1 run's checkpoint at the phase (each branch's Adam second "
+             "moment refit to its batch); control: the same with --adam-refit-samples 0 (the checkpoint's v kept). "
+             f"Study runs: {study_design(result)}.", "",
              "| phase (samples) | val loss | study B_crit used (interval) | basis | study, cumulative | advise "
              "branches (interval) | ratio | within 2× | noise scale | ratio | within 2× | noise scale, Adam's "
-             "coordinates | ratio | within 2× | advise s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "coordinates | ratio | within 2× | control: branches, v kept (interval) | ratio | advise s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         s, a = r["study"], r["advise"]
         loc, cum = s[r["study_basis"]] or {}, s["cumulative"] or {}
-        ci = list(a["b_crit_branch_ci"] or [None, None])
-        if ci[0] is not None and ci[1] is None:  # the JSON writes an unbounded upper end as null
-            ci[1] = math.inf
         basis = ("local window" if r["study_basis"] == "local" else
                  f"deepest common target {loc.get('target', float('nan')):.4f} (local not measurable)")
         lines.append(f"| {r['phase']} | {s['val_loss']:.4f} | {_n(loc.get('b_crit'))} ({_n(loc.get('lo'))}–"
-                     f"{_n(loc.get('hi'))}) | {basis} | {_n(cum.get('b_crit'))} | {_n(a['b_crit_branch'])} ({_n(ci[0])}–"
-                     f"{_n(ci[1])}) | {_n(r['branch_over_study'], '.2f')} | {r['branch_within_2x']} | "
+                     f"{_n(loc.get('hi'))}) | {basis} | {_n(cum.get('b_crit'))} | {_n(a['b_crit_branch'])} {_interval(a['b_crit_branch_ci'])} | "
+                     f"{_n(r['branch_over_study'], '.2f')} | {r['branch_within_2x']} | "
                      f"{_n(a['b_noise'])} | {_n(r['noise_over_study'], '.2f')} | {r['noise_within_2x']} | "
                      f"{_n(a.get('b_noise_adam'))} | {_n(r.get('adam_over_study'), '.2f')} | {r.get('adam_within_2x', '—')} | "
-                     f"{r['advise_seconds']:.0f} |")
+                     f"{control_cells(r.get('control_v_kept'))} | {r['advise_seconds']:.0f} |")
+    replicates = [r for r in result["rows"] if r.get("study_equal_samples_runs")]
+    if replicates:
+        lines += ["", "The study's reference from the other replicate set: the 1536-sample runs at k = 2, 4, 8 (same "
+                  "settings and seeds as the 1536-step runs over their first 1536 samples, trained by an earlier code "
+                  "version, so not the same trajectories): local and cumulative B_crit (90 % interval).", "",
+                  "| phase | equal-steps runs: local | cumulative | 1536-sample runs: local | cumulative |",
+                  "|---|---|---|---|---|"]
+        for r in replicates:
+            cells = []
+            for s in (r["study"], r["study_equal_samples_runs"]):
+                for key in ("local", "cumulative"):
+                    f = s[key] or {}
+                    cells.append(f"{_n(f.get('b_crit'))} ({_n(f.get('lo'))}–{_n(f.get('hi'))})")
+            lines.append(f"| {r['phase']} | " + " | ".join(cells) + " |")
     for r in result["rows"]:
         if r["study"]["left_out"]:
             lines.append(f"\nPhase {r['phase']}: runs left out of the study's fit (never crossed the window): "
