@@ -122,3 +122,14 @@ def test_the_epsilon_design_is_its_own_runs(grid):
     pilot = [o for a, o in grid.arms() if a == "eps-pilot"]
     assert len(pilot) == 1 and pilot[0] not in grid.design("eps")
     assert not any(o in grid.design("eps") for a, o in grid.arms() if a == "steps")
+
+
+def test_the_lr_grid_design_holds_its_x1_point(grid):
+    """The LR grid (x0.5, x2 of 1e-3 at k 1 and 8) reads its x1 point from the runs that already have it:
+    the 1536-sample k = 1 runs and the equal-steps arm's k = 8; no other batch, no other arm's key."""
+    design = grid.design("steps-lr")
+    lrs = {(o["train.accumulate_every"], o.get("train.lr")) for o in design}
+    assert lrs == {(1, None), (8, None), (1, 5e-4), (1, 2e-3), (8, 5e-4), (8, 2e-3)}
+    steps_k8 = [o for a, o in grid.arms() if a == "steps" and o["train.accumulate_every"] == 8]
+    assert steps_k8 and all(o in design for o in steps_k8)
+    assert not any(o.get("train.grad_clip") == 0.0 or o.get("diffusion.loss") == "l2" for o in design)

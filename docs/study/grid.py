@@ -123,10 +123,13 @@ def is_archived(overrides: dict, done: list[dict], base: dict | None = None) -> 
 def design(arm: str) -> list[dict]:
     """The runs one comparison reads: an arm's own, and for the equal-steps arm also its k = 1 arm, the
     archived micro-batch 1 x k 1 equal-samples runs (1536 samples = 1536 steps); for the precision arm
-    the same runs, its bf16 counterpart."""
+    the same runs, its bf16 counterpart; for the LR grid its x1 point, the same k = 1 runs and the steps
+    arm's k = 8."""
     runs = [o for a, o in arms() if a == arm]
-    if arm in ("steps", "precision"):
+    if arm in ("steps", "precision", "steps-lr"):
         runs += [o for a, o in arms() if a == "main" and o["train.batch_size"] == 1 and o["train.accumulate_every"] == 1]
+    if arm == "steps-lr":
+        runs += [o for a, o in arms() if a == "steps" and o["train.accumulate_every"] == 8]
     return runs
 
 

@@ -27,6 +27,14 @@ for arm in noclip l2 cosine; do
     voxdiff compare --runs $R --filter "$ids" --out "docs/study/report_steps_$arm.md" \
     || echo "(no steps-$arm runs archived yet)"
 done
+# LR per batch (x0.5, x1, x2 of 1e-3 at effective batch 1 and 8, equal steps): one report per effective
+# batch, grouped by train.lr: which LR is best at each batch, and does the ranking of the batches survive?
+lr_ids=$(python docs/study/grid.py ids steps-lr) || lr_ids=""
+for k in 1 8; do
+  [ -n "$lr_ids" ] && voxdiff compare --runs $R --group-by train.lr \
+    --filter "$lr_ids and params.\`train.accumulate_every\` = '$k'" --out "docs/study/report_steps_lr_k$k.md" \
+    || echo "(no steps-lr runs at k $k archived yet)"
+done
 # One report per LR rule (micro-batch 2, accumulate_every 1 and 8): does the gap between them shrink?
 for rule in sqrt linear sde; do
   voxdiff compare --runs $R --filter "params.\`train.max_samples\` = '1536' and params.\`train.lr_scaling\` = '$rule' and params.\`train.batch_size\` = '2'" \
