@@ -369,15 +369,21 @@ class GradientMoments:
         what Adam's bias-corrected second moment v_hat settles to when it trains at this batch here.
 
         Unclipped, E[g_B^2] = G^2 + sigma^2 / B per coordinate. With A = mean of g_i^2 and C = (mean g_i)^2
-        over n draws, E[A] = G^2 + sigma^2 and E[C] = G^2 + sigma^2 / n, so
-        G^2 + sigma^2 / B = (n (1 - 1/B) C + (n/B - 1) A) / (n - 1), unbiased and >= 0 for B <= n (B = 1
-        gives A, B = n gives C). The clip (train.grad_clip on the whole gradient's norm) scales by
-        s_B^2 ~ min(1, clip^2 / E|g_B|^2), |g_B|^2 concentrating in many dimensions."""
+        over n draws, sigma^2 = n (A - C) / (n - 1) and G^2 = (n C - A) / (n - 1) are unbiased; sigma^2 has
+        n - 1 degrees of freedom, G^2 is a difference that can fall below 0, and at B near n a per-coordinate
+        estimate of it alone would leave some coordinates' v near 0 (Adam's step there ~1/sqrt(v): huge). So
+        v = max(G^2, 0) + sigma^2 / B: never below the noise's share (v >= sigma^2 / B holds for the truth),
+        biased up by at most E[(chi2_1 - 1)+] sigma^2 / (n - 1) = 0.48 sigma^2 / (n - 1) where G ~ 0 (about
+        B / 2n of v there: 6 % at B 8 and n 64).
+        The clip (train.grad_clip on the whole gradient's norm) scales by s_B^2 ~ min(1, clip^2 / E|g_B|^2),
+        |g_B|^2 concentrating in many dimensions."""
         import torch
 
-        n = self.n
-        a, c = (n / batch - 1) / (n - 1), n * (1 - 1 / batch) / (n - 1)
-        out = [torch.clamp(a * sq + c * m * m, min=0.0) for m, sq in zip(self.mean, self.mean_sq)]
+        n, out = self.n, []
+        for m, sq in zip(self.mean, self.mean_sq):
+            noise = torch.clamp(sq - m * m, min=0.0) * (n / (n - 1))
+            signal = torch.clamp(m * m - noise / n, min=0.0)
+            out.append(signal + noise / batch)
         if clip > 0:
             norm_sq = float(sum(torch.sum(v, dtype=torch.float64) for v in out))
             if norm_sq > clip * clip:
