@@ -194,14 +194,15 @@ def main(argv=None) -> int:
 
     runs = study_runs(a.micro)
     samples_runs = study_runs(a.micro, "equal-samples")
-    if {id(r) for r in samples_runs} == {id(r) for r in runs}:
-        samples_runs = runs
+    if {r.run_id for r in samples_runs} == {r.run_id for r in runs}:
+        samples_runs = runs  # one replicate set only (micro-batch 2): no second table
     extra = a.advise_args.split()
     from voxdiff.training.distributed import pick_device
 
     rows = []
-    design = ("k = 1 from the 1536-sample runs, k = 2, 4, 8 from the 1536-step runs"
-              if any(r.params.get("train.max_steps") == "1536" for r in runs) else "the 1536-sample runs")
+    stepped = sorted({int(r.params["train.accumulate_every"]) for r in runs if r.params.get("train.max_steps") == "1536"})
+    design = (f"k = 1 from the 1536-sample runs, k = {', '.join(map(str, stepped))} from the 1536-step runs"
+              if stepped else "the 1536-sample runs")
     result = {"study_design": design, "micro": a.micro, "seed": a.seed, "training_seconds": trained_s, "rows": rows, "window": WINDOW,
               "machine": harness.machine(pick_device(raw["train"]["device"])), "precision": precision_of(ckpts)}
     for p in phases:
@@ -210,14 +211,15 @@ def main(argv=None) -> int:
                     progress=False, branch_batches=tuple(a.micro * f for f in (1, 2, 4, 8)))
         for key, value in zip(extra[::2], extra[1::2]):  # --budget-samples 256 -> budget_samples=256
             opts[key.lstrip("-").replace("-", "_")] = int(value)
+        t1 = time.time()
+        advice = run_advise(AdviseOptions(**opts), echo=lambda s: print(s, file=sys.stderr))
+        advise_seconds = time.time() - t1
+        data = json.loads((work / f"advise-{p}.json").read_text())
         control = None
-        if not a.no_control:  # first, so that the default's files are the ones left in work/
+        if not a.no_control:
             run_advise(AdviseOptions(**{**opts, "adam_refit_samples": 0, "out": work / f"advise-{p}-v-kept.md"}),
                        echo=lambda s: print(s, file=sys.stderr))
             control = json.loads((work / f"advise-{p}-v-kept.json").read_text())
-        t1 = time.time()
-        advice = run_advise(AdviseOptions(**opts), echo=lambda s: print(s, file=sys.stderr))
-        data = json.loads((work / f"advise-{p}.json").read_text())
         study = study_b_crit(runs, a.seed, p)
         replicate = study_b_crit(samples_runs, a.seed, p) if samples_runs is not runs else None
         basis = "local" if study["local"] else "deepest_common_target"
@@ -229,7 +231,7 @@ def main(argv=None) -> int:
             "b_crit_branch", "b_crit_branch_ci", "b_noise", "b_noise_ci", "b_noise_adam", "b_noise_adam_ci", "trusted",
             "agreement", "recommended_one_device", "cost")}, "study_basis": basis, "branch_over_study": br,
             "branch_within_2x": br_ok, "noise_over_study": nr, "noise_within_2x": nr_ok, "adam_over_study": ar,
-            "adam_within_2x": ar_ok, "advise_seconds": time.time() - t1,
+            "adam_within_2x": ar_ok, "advise_seconds": advise_seconds,
             "study_equal_samples_runs": replicate,
             "control_v_kept": None if control is None else {
                 "b_crit_branch": control["b_crit_branch"], "b_crit_branch_ci": control["b_crit_branch_ci"],
@@ -304,8 +306,8 @@ def markdown(result: dict) -> str:
     replicates = [r for r in result["rows"] if r.get("study_equal_samples_runs")]
     if replicates:
         lines += ["", "The study's reference from the other replicate set: the 1536-sample runs at k = 2, 4, 8 (same "
-                  "settings and seeds as the 1536-step runs over their first 1536 samples, trained by an earlier code "
-                  "version, so not the same trajectories): local and cumulative B_crit (90 % interval).", "",
+                  "settings and seeds as the 1536-step runs over their first 1536 samples, trained from an earlier commit, "
+                  "so not the same trajectories): local and cumulative B_crit (90 % interval).", "",
                   "| phase | equal-steps runs: local | cumulative | 1536-sample runs: local | cumulative |",
                   "|---|---|---|---|---|"]
         for r in replicates:

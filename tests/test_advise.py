@@ -199,6 +199,7 @@ def test_adams_second_moment_refit_per_branch_gives_each_batch_its_own_step(tmp_
     expected = math.sqrt((C ** 2 + 1 / 16) / (C ** 2 + 1 / 2))
     assert steps[16] / steps[2] == pytest.approx(expected, rel=0.15), steps
     assert steps[8] / steps[2] == pytest.approx(math.sqrt((C ** 2 + 1 / 8) / (C ** 2 + 1 / 2)), rel=0.15), steps
+    assert data["branches"]["adam_refit_samples"] == 64  # 4x the largest batch, 16
 
 
 def test_disagreement_is_reported_and_the_branches_are_trusted(tmp_path, monkeypatch):
@@ -207,6 +208,7 @@ def test_disagreement_is_reported_and_the_branches_are_trusted(tmp_path, monkeyp
     batch, and steps to a target barely fall with B (B_crit far below B_simple), while B_simple still reads
     4. advise says they disagree and uses the branches."""
     data = adam_on_the_quadratic(tmp_path, monkeypatch, 0)
+    assert data["branches"]["adam_refit_samples"] == 0
     assert data["b_noise"] == pytest.approx(B_NOISE, rel=0.35)
     # Adam's moments (restored from the checkpoint) have the same statistics in every coordinate here, so
     # the probe in Adam's coordinates reads the plain B too: whitening does not explain this miss (Adam's

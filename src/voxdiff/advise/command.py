@@ -166,7 +166,8 @@ def _work_estimate(opts: AdviseOptions, inputs: Inputs, plan: Plan) -> float:
     sweep = sum(m * (opts.speed_steps + 1) for m in (1, 2, 4, 8) if m <= opts.max_micro_batch)
     branches = samples * per_branch
     validations = (1 + points * per_branch) * opts.val_draws * plan.val_subjects / 3
-    return (sweep + measure.noise_cost(inputs.params, plan.marginal) + branches + validations + opts.adam_refit_samples
+    return (sweep + measure.noise_cost(inputs.params, plan.marginal) + branches + validations
+            + measure.adam_refit_draws(opts.adam_refit_samples, plan.batches)
             + (opts.warmup_samples if inputs.state is None else 0))
 
 
@@ -345,7 +346,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 @click.option("--adam-refit-samples", type=click.IntRange(0), default=64, show_default=True,
               help="Single-sample gradients from which each branch's Adam second moment is set to what it settles "
                    "to at that branch's batch (the checkpoint's remembers ~1000 steps of its own batch, which a "
-                   "short branch cannot forget); 0 keeps the checkpoint's.")
+                   "short branch cannot forget); at least 4x the largest branch batch; 0 keeps the checkpoint's.")
 @click.option("--max-micro-batch", type=click.IntRange(1), default=64, show_default=True,
               help="Largest micro-batch the memory/speed search tries.")
 @click.option("--warmup-samples", type=click.IntRange(1), default=256, show_default=True,

@@ -338,7 +338,7 @@ def branch_samples(params: Params, batches, requested: int) -> int:
 
 
 def plan_branches(session: Session, batches: tuple[int, ...], seeds: int, samples: int, val_draws: int,
-                  speed: list[SpeedRow], adam_refit_samples: int = 0) -> BranchPlan:
+                  speed: list[SpeedRow], adam_refit_samples: int) -> BranchPlan:
     unit = math.lcm(*batches)  # every branch steps onto each validation point and the start (= max for 2^n)
     start = math.ceil(session.samples_seen / unit) * unit  # a few draws skipped, never repeated
     ran = {r.micro: r.samples_per_s for r in speed if r.samples_per_s}
@@ -352,7 +352,14 @@ def plan_branches(session: Session, batches: tuple[int, ...], seeds: int, sample
     first = session.params.seed
     return BranchPlan(batches, tuple(first + i for i in range(seeds)), branch_samples(session.params, batches, samples),
                       start, unit, micro, t.lr * now, val_draws, branch_ema_halflife(session.params, batches),
-                      ema_position(session.state, t.ema_halflife_samples) - start, adam_refit_samples)
+                      ema_position(session.state, t.ema_halflife_samples) - start,
+                      adam_refit_draws(adam_refit_samples, batches))
+
+
+def adam_refit_draws(requested: int, batches) -> int:
+    """Single-sample gradients of the Adam refit: `requested` (0: no refit), at least 4x the largest branch
+    batch (the estimate's upward bias where G ~ 0 is about B / 2n of v: <= 12 %)."""
+    return max(requested, 4 * max(batches)) if requested else 0
 
 
 @dataclasses.dataclass

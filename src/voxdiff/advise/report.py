@@ -60,6 +60,15 @@ def finite(x):
     return x
 
 
+def _refit_sentence(plan) -> str:
+    if not plan.adam_refit_samples:
+        return ("Every branch keeps the checkpoint's Adam second moment (--adam-refit-samples 0): over a short "
+                "branch it still holds the checkpoint's batch's gradient statistics.")
+    return (f"Each branch's Adam second moment is set to what it settles to at that branch's batch here, from "
+            f"{plan.adam_refit_samples} single-sample gradients (max(G^2, 0) + sigma^2/B per coordinate, scaled "
+            "by the clip): the checkpoint's remembers ~1000 steps of its own batch.")
+
+
 def _samples_per_batch(a: "Advice") -> dict:
     return {b: float(np.mean([c.samples for c in a.curves if c.batch == b])) for b in a.plan.batches
             if any(c.batch == b for c in a.curves)}
@@ -113,6 +122,7 @@ def as_json(a: Advice) -> dict:
                      "samples_per_batch": _samples_per_batch(a), "start_sample": plan.start,
                      "val_every_samples": plan.val_every, "val_draws": plan.val_draws,
                      "lr": plan.lr, "micro_batch": plan.micro, "ema_halflife": plan.ema_halflife,
+                     "adam_refit_samples": plan.adam_refit_samples,
                      "checkpoint_ema_position": plan.ema_position, "start_loss": b.start_loss,
                      "target_loss": b.target_loss, "mean_gain": b.mean_gain, "gain_spread": b.gain_spread,
                      "gain_per_sample": _gain_rates(a, per_step=False),
@@ -220,7 +230,7 @@ def markdown(a: Advice, figure: Path) -> str:
               f"{plan.val_draws} draws per validation subject, each validation placed at the mean sample "
               f"position of the EMA's weights (the checkpoint's EMA sits at {plan.ema_position:.0f}): its lag, the same "
               "in samples at every batch, drops out, and so does the raw iterate's gradient noise, larger at small "
-              f"batches. Target: the val loss {_num(b.target_loss, '.5g')} (the checkpoint's EMA: {b.start_loss:.5g}), "
+              f"batches. {_refit_sentence(plan)} Target: the val loss {_num(b.target_loss, '.5g')} (the checkpoint's EMA: {b.start_loss:.5g}), "
               "80 % of the way from the largest batch's level once its EMA forgot the checkpoint's "
               f"(after {plan.usable_from:g} samples) to its end level; the position where each "
               "branch crosses it, read between validations, / B = its steps, fitted with S = S_min(1 + B_crit/B) "

@@ -373,8 +373,8 @@ class GradientMoments:
         n - 1 degrees of freedom, G^2 is a difference that can fall below 0, and at B near n a per-coordinate
         estimate of it alone would leave some coordinates' v near 0 (Adam's step there ~1/sqrt(v): huge). So
         v = max(G^2, 0) + sigma^2 / B: never below the noise's share (v >= sigma^2 / B holds for the truth),
-        biased up by at most E[(chi2_1 - 1)+] sigma^2 / (n - 1) = 0.48 sigma^2 / (n - 1) where G ~ 0 (about
-        B / 2n of v there: 6 % at B 8 and n 64).
+        biased up where G^2 < ~sigma^2 / n, for Gaussian gradients by E[(chi2_1 - 1)+] sigma^2 / (n - 1) =
+        0.48 sigma^2 / (n - 1) at G = 0 (about B / 2n of v there: advise keeps n >= 4 B, so <= 12 %).
         The clip (train.grad_clip on the whole gradient's norm) scales by s_B^2 ~ min(1, clip^2 / E|g_B|^2),
         |g_B|^2 concentrating in many dimensions."""
         import torch
@@ -393,7 +393,7 @@ class GradientMoments:
 
 def gradient_moments(gradient, count: int) -> GradientMoments:
     """GradientMoments of gradient(i), i < count (non-finite gradients left out), in float32 accumulators:
-    two gradient-sized copies alive besides the current gradient."""
+    two gradient-sized copies alive besides the current gradient (kept by the caller while it refits)."""
     import torch
 
     total = total_sq = None
@@ -410,7 +410,9 @@ def gradient_moments(gradient, count: int) -> GradientMoments:
             torch._foreach_addcmul_(total_sq, g, g)
     if n < 2:
         raise ValueError(f"only {n} of {count} single-sample gradients were finite")
-    return GradientMoments([x / n for x in total], [x / n for x in total_sq], n)
+    torch._foreach_div_(total, n)
+    torch._foreach_div_(total_sq, n)
+    return GradientMoments(total, total_sq, n)
 
 
 def adam_preconditioner(optimizer, params) -> list | None:

@@ -324,9 +324,13 @@ class Trainer:
 
     def sample_gradient(self, position: int, t: int, noise: torch.Tensor):
         """One training sample's loss gradient at the current (raw) weights, one tensor per trainable
-        parameter; touches neither .grad, the optimizer nor any RNG."""
+        parameter; touches neither .grad, the optimizer nor any RNG. In fp16 the loss is scaled by the
+        GradScaler's scale as in training (small gradients would underflow otherwise) and divided out."""
         loss = self.losses(self.net, *self.on_device([position], [t], [noise])).sum()
-        return torch.autograd.grad(loss, self.trainable())
+        if not self.rt.use_scaler:
+            return torch.autograd.grad(loss, self.trainable())
+        scale = self.scaler.get_scale()
+        return tuple(g / scale for g in torch.autograd.grad(loss * scale, self.trainable()))
 
     def gradient_moments(self, count: int) -> gns.GradientMoments:
         """Per-coordinate mean and mean square of `count` single-sample gradients on fixed draws (their
@@ -340,12 +344,18 @@ class Trainer:
     def refit_adam_second_moment(self, moments: gns.GradientMoments) -> None:
         """Set Adam's second moment to what it settles to when training at this trainer's effective batch
         here (moments.batch_second_moment with train.grad_clip), keeping its step count: a restored state
-        otherwise carries ~1/(1 - beta2) steps (1000 at 0.999) of another batch's gradient statistics."""
+        otherwise carries ~1/(1 - beta2) steps (1000 at 0.999) of another batch's gradient statistics.
+        torch's Adam adds 1 to the step before it corrects by 1 - beta2^step, so exp_avg_sq =
+        v_hat (1 - beta2^step) keeps the corrected v at v_hat in expectation. One process only (every rank
+        would measure its own moments and the replicas' optimizer states would drift apart)."""
+        if self.rt.world_size > 1:
+            raise RuntimeError("refit_adam_second_moment runs in one process (advise), not under torchrun")
         beta2 = self.opt.param_groups[0]["betas"][1]
         v_hat = moments.batch_second_moment(self.budget.effective_batch, self.p.train.grad_clip)
         for p, v in zip(self.trainable(), v_hat):
-            state = self.opt.state[p]
-            state["exp_avg_sq"].copy_(v * (1.0 - beta2 ** float(state["step"])))
+            state = self.opt.state.get(p)
+            if state and "exp_avg_sq" in state:  # no state yet: Adam starts this parameter fresh anyway
+                state["exp_avg_sq"].copy_(v * (1.0 - beta2 ** float(state["step"])))
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state(self, finished: bool, run_id: str | None) -> dict:
