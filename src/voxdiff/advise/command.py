@@ -366,7 +366,8 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
     b. the gradient noise scale B_simple at the checkpoint (marginal over timesteps and per timestep
        bucket, with an interval);
     c. short training branches from the checkpoint at effective batch b, 2b, 4b, 8b on the same samples,
-       2 seeds or more: the steps each needs to the same val-loss gain, fitted with
+       2 seeds or more, each with Adam's second moment set to its own batch's (the checkpoint's remembers
+       ~1000 steps of the trained batch): the steps each needs to the same val-loss gain, fitted with
        S = S_min (1 + B_crit / B), give a local B_crit with an interval that needs no noise-scale theory;
        when the noise scale disagrees by more than 2x, advise says so and trusts the branches;
     d. a table of micro-batch x accumulate_every x world size with memory, samples/s, samples and steps to
