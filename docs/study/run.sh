@@ -26,18 +26,25 @@ while read -r overrides; do
   dvc exp run --queue $overrides >/dev/null
 done < .study-queue
 rm -f .study-queue
-if [ -n "${STUDY_CPUS:-}" ]; then
-  # The queue's worker and the trainings it starts inherit the affinity and the thread count.
-  OMP_NUM_THREADS=$(tr ',' '\n' <<<"$STUDY_CPUS" | wc -l) taskset -c "$STUDY_CPUS" dvc queue start -j 1
-else
-  dvc queue start -j 1
-fi
+start_worker() {
+  if [ -n "${STUDY_CPUS:-}" ]; then
+    # The queue's worker and the trainings it starts inherit the affinity and the thread count.
+    OMP_NUM_THREADS=$(tr ',' '\n' <<<"$STUDY_CPUS" | wc -l) taskset -c "$STUDY_CPUS" dvc queue start -j 1
+  else
+    dvc queue start -j 1
+  fi
+}
+start_worker
 # Export each run as soon as it finishes (when the queue's count of finished runs goes up), so an
 # interrupted study keeps every run that completed.
 done_before=0
 while status=$(dvc queue status) && grep -qE 'Queued|Running' <<<"$status"; do
   done_now=$(grep -cE 'Success|Failed' <<<"$status" || true)
   if [ "$done_now" != "$done_before" ]; then export_runs; done_before=$done_now; fi
+  # A worker can stop after one task (a stale shutdown message in the queue's broker): start another.
+  if ! grep -q Running <<<"$status" && grep -q 'Worker status: 0 active, 0 idle' <<<"$status"; then
+    start_worker
+  fi
   sleep 30
 done
 export_runs
