@@ -395,6 +395,24 @@ def test_batch_second_moment_recovers_every_batch_and_is_clipped_like_training()
     assert float(m.batch_second_moment(4, clip=2.0)[0].sum()) == pytest.approx(4.0, rel=1e-5)
 
 
+def test_second_moment_ratio_moves_only_the_noise_share():
+    """The ratio batch B over trained batch B0 per coordinate is (G^2 + sigma^2/B) / (G^2 + sigma^2/B0):
+    averaged over repetitions within 3 % of it where G^2 >> sigma^2/n, between B0/B and 1 everywhere
+    (B > B0), 1 at B = B0, and 1 where the gradient is exactly 0."""
+    torch.manual_seed(0)
+    n, reps = 64, 2000
+    G = torch.tensor([0.0, 1.0, -2.0, 0.5, 0.0])
+    sigma = torch.tensor([1.0, 0.5, 1.0, 3.0, 0.0])
+    draws = G + sigma * torch.randn(n, reps, len(G))
+    m = gradient_moments(lambda i: [draws[i]], n)
+    (r,) = m.second_moment_ratio(8, 2)
+    truth = (G ** 2 + sigma ** 2 / 8) / (G ** 2 + sigma ** 2 / 2)
+    assert torch.allclose(r.mean(0)[1:3], truth[1:3], rtol=0.03)
+    assert bool(((r >= 2 / 8 - 1e-6) & (r <= 1 + 1e-6)).all())
+    assert torch.equal(r[:, 4], torch.ones(reps))
+    assert torch.allclose(m.second_moment_ratio(2, 2)[0], torch.ones(reps, len(G)))
+
+
 def test_gradient_moments_leave_out_non_finite_gradients():
     grads = [torch.ones(3), torch.full((3,), float("nan")), 3 * torch.ones(3)]
     m = gradient_moments(lambda i: [grads[i]], 3)
@@ -467,10 +485,10 @@ def test_trainer_probe_with_zero_gradient_reports_unresolvable(tiny_root, monkey
         assert 0.0 <= out[f"{prefix}_lo"] < math.inf
 
 
-def test_trainer_refits_adams_second_moment_to_its_batch(tiny_root, monkeypatch):
+def test_trainer_moves_adams_second_moment_to_its_batch(tiny_root, monkeypatch):
     """On the constant prediction (per-coordinate gradient 2(w - eps)/d: G^2 + sigma^2/B = (4/d^2)(c^2 + 1/B)),
     a state trained at effective batch 1 restored into trainers at effective batch 1 and 8 holds batch 1's
-    v_hat in both (the control: 3.3x batch 8's); refit, each holds (4/d^2)(c^2 + 1/B) of its own B within 5 %
+    v_hat in both (the control: 3.3x batch 8's); rescaled, each holds (4/d^2)(c^2 + 1/B) of its own B within 5 %
     (mean over the d coordinates), read back through adam_preconditioner (tested against Adam's own update).
     Its first moment, step count and the weights are left as they were."""
     import copy
@@ -493,7 +511,7 @@ def test_trainer_refits_adams_second_moment_to_its_batch(tiny_root, monkeypatch)
         w = tr.net.w
         adam = tr.opt.state[w]
         m_before, step, w_before = adam["exp_avg"].clone(), float(adam["step"]), w.detach().clone()
-        tr.refit_adam_second_moment(tr.gradient_moments(64))
+        tr.rescale_adam_second_moment(tr.gradient_moments(64), trained_batch=1)
         assert v_hat_mean(tr) == pytest.approx(4 / d ** 2 * (c ** 2 + 1 / accumulate), rel=0.05), accumulate
         assert torch.equal(adam["exp_avg"], m_before) and float(adam["step"]) == step == 3
         assert torch.equal(w.detach(), w_before)

@@ -230,7 +230,7 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
     state = m.state
     ck = {"step": int(state["step"]), "samples_seen": int(state["samples_seen"]),
           "mlflow_run_id": state.get("mlflow_run_id", ""), "finished": bool(state.get("finished")),
-          "effective_batch": _trained_batch(state), "precision": state.get("precision_resolved", "")}
+          "effective_batch": measure.trained_batch(state), "precision": state.get("precision_resolved", "")}
     sweep = sum(r.micro * (opts.speed_steps + 1) for r in m.speed if r.samples_per_s)
     trained = (sweep + measure.noise_cost(inputs.params, plan.marginal) + m.branches.samples
                + (opts.warmup_samples if inputs.state is None else 0))
@@ -261,11 +261,6 @@ def run_advise(opts: AdviseOptions, echo=None):
         except Exception as e:  # the report is written; a tracking failure after the checks only warns
             echo(f"warning: MLflow logging failed ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})")
     return advice
-
-
-def _trained_batch(state: dict) -> int | None:
-    step = int(state.get("step") or 0)
-    return round(int(state["samples_seen"]) / step) if step else None
 
 
 def _sentence(verdict, branch, cost, one, best, worth, uninformative: bool = False) -> str:

@@ -69,6 +69,10 @@ class Session:
     def samples_seen(self) -> int:
         return int(self.state["samples_seen"])
 
+    @property
+    def trained_batch(self) -> int | None:
+        return trained_batch(self.state)
+
     def params_for(self, micro: int, accumulate: int, total_samples: int, seed: int | None = None,
                    **train) -> Params:
         """params.yaml with this micro-batch, accumulation and sample budget (and any other train keys);
@@ -92,6 +96,12 @@ class Session:
                 group["betas"], group["eps"] = tr.adam.betas, tr.adam.eps
         tr.gns_reason = NOT_MEASURED  # the accumulation probe (GradProbe) is not what advise reads
         return tr
+
+
+def trained_batch(state: dict) -> int | None:
+    """The effective batch a training state was trained at (samples per optimizer step)."""
+    step = int(state.get("step") or 0)
+    return round(int(state["samples_seen"]) / step) if step else None
 
 
 def warm_up_state(params: Params, root: Path, rt: Runtime, cache: ProcessedCache, samples: int,
@@ -387,8 +397,8 @@ def _branch(session: Session, plan: BranchPlan, b: int, seed: int, first: float,
     p = session.params_for(m, b // m, plan.start + plan.samples, seed=seed, lr=plan.lr, lr_schedule="constant",
                            warmup_samples=0, val_draws=plan.val_draws, ema_halflife_samples=plan.ema_halflife)
     tr = session.trainer(p)
-    if moments is not None:
-        tr.refit_adam_second_moment(moments)
+    if moments is not None and session.trained_batch:
+        tr.rescale_adam_second_moment(moments, session.trained_batch)
     c = tr.counters
     c.step, c.samples_seen = plan.start // b, plan.start
     progress.phase(f"branches: seed {seed}, effective batch {b} ({m} x {b // m})")
@@ -434,11 +444,11 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
     (branch_ema_halflife), and its lag is removed by placing each validation at the weights' mean position.
     Why a target deep in the largest batch's branch: smaller batches reach it sooner, and it must still
     lie past the samples in which their EMA forgets the checkpoint (plan.usable_from).
-    Why Adam's second moment is refit per batch (plan.adam_refit_samples): the checkpoint's v averages
+    Why Adam's second moment is rescaled per batch (plan.adam_refit_samples): the checkpoint's v averages
     ~1/(1 - beta2) steps of the trained batch's squared gradients; a branch of a few dozen steps keeps it,
-    so at a larger batch Adam divides a less noisy gradient by the smaller batch's v and every batch takes
-    about the same step, a B-independence that is the checkpoint's memory, not this point's critical batch
-    (a run trained at that batch from scratch has its own v)."""
+    so at a larger batch Adam would divide a less noisy gradient by the smaller batch's v, a B-independence
+    that is the checkpoint's memory, not this point's critical batch. Each branch's v is moved to its own
+    batch by the sampling noise's share (Trainer.rescale_adam_second_moment)."""
     from voxdiff.advise.fit import branch_target
 
     progress.phase("branches: the checkpoint's EMA")
@@ -446,7 +456,7 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
     first = tr.validation_loss()  # the same weights and draws at the start of every branch
     moments = None
     if plan.adam_refit_samples:
-        progress.phase(f"branches: Adam's second moment from {plan.adam_refit_samples} single-sample gradients")
+        progress.phase(f"branches: Adam's second moment per batch, from {plan.adam_refit_samples} single-sample gradients")
         moments = tr.gradient_moments(plan.adam_refit_samples)
         progress.tick(plan.adam_refit_samples)
     del tr

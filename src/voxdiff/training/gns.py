@@ -390,6 +390,16 @@ class GradientMoments:
                 out = [v * (clip * clip / norm_sq) for v in out]
         return out
 
+    def second_moment_ratio(self, batch: int, trained_batch: int, clip: float = 0.0) -> list:
+        """Per coordinate, batch_second_moment(batch) / batch_second_moment(trained_batch): how much Adam's
+        second moment changes when the same trajectory is trained at `batch` instead of `trained_batch`.
+        Unclipped it lies between 1 and trained_batch / batch (G^2 + sigma^2/B over G^2 + sigma^2/B0): the
+        sampling noise's share moves, the signal's stays; 1 where both are 0."""
+        import torch
+
+        new, old = self.batch_second_moment(batch, clip), self.batch_second_moment(trained_batch, clip)
+        return [torch.where(o > 0, n / torch.where(o > 0, o, 1.0), 1.0) for n, o in zip(new, old)]
+
 
 def gradient_moments(gradient, count: int) -> GradientMoments:
     """GradientMoments of gradient(i), i < count (non-finite gradients left out), in float32 accumulators:

@@ -341,21 +341,26 @@ class Trainer:
                             len(self.train_rows), (1, *self.shape))
         return gns.gradient_moments(lambda i: self.sample_gradient(*draws[i]), count)
 
-    def refit_adam_second_moment(self, moments: gns.GradientMoments) -> None:
-        """Set Adam's second moment to what it settles to when training at this trainer's effective batch
-        here (moments.batch_second_moment with train.grad_clip), keeping its step count: a restored state
-        otherwise carries ~1/(1 - beta2) steps (1000 at 0.999) of another batch's gradient statistics.
-        torch's Adam adds 1 to the step before it corrects by 1 - beta2^step, so exp_avg_sq =
-        v_hat (1 - beta2^step) keeps the corrected v at v_hat in expectation. One process only (every rank
-        would measure its own moments and the replicas' optimizer states would drift apart)."""
+    def rescale_adam_second_moment(self, moments: gns.GradientMoments, trained_batch: int) -> None:
+        """Move Adam's second moment from the batch it was trained at to this trainer's effective batch:
+        each coordinate times moments.second_moment_ratio (the sampling noise's share of E[g^2] at the new
+        batch over the old, with train.grad_clip). A restored state carries ~1/(1 - beta2) steps (1000 at
+        0.999) of the trained batch's squared gradients, which a short branch cannot forget.
+
+        Why rescale, not replace by the moment measured here: v averages the gradient along the trajectory,
+        and on the study's model that holds far more than the sampling noise at fixed weights (the step to
+        step change of the gradient; per coordinate the median v was ~1000x the squared gradient at the
+        checkpoint's weights, at the same total), so a v measured at one point made Adam's step 15-25x
+        longer and the branches diverged (benchmarks/advise_vs_study). Scaling keeps the history and moves
+        only the noise's share. One process only (every rank would measure its own moments and the
+        replicas' optimizer states would drift apart)."""
         if self.rt.world_size > 1:
-            raise RuntimeError("refit_adam_second_moment runs in one process (advise), not under torchrun")
-        beta2 = self.opt.param_groups[0]["betas"][1]
-        v_hat = moments.batch_second_moment(self.budget.effective_batch, self.p.train.grad_clip)
-        for p, v in zip(self.trainable(), v_hat):
+            raise RuntimeError("rescale_adam_second_moment runs in one process (advise), not under torchrun")
+        ratios = moments.second_moment_ratio(self.budget.effective_batch, trained_batch, self.p.train.grad_clip)
+        for p, r in zip(self.trainable(), ratios):
             state = self.opt.state.get(p)
             if state and "exp_avg_sq" in state:  # no state yet: Adam starts this parameter fresh anyway
-                state["exp_avg_sq"].copy_(v * (1.0 - beta2 ** float(state["step"])))
+                state["exp_avg_sq"].mul_(r)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state(self, finished: bool, run_id: str | None) -> dict:
