@@ -286,7 +286,7 @@ def markdown(result: dict) -> str:
              "(90 % bootstrap interval over seeds), or, where fewer than 3 batch sizes get that low, the report's "
              "B_crit at the deepest target every run reaches; cumulative: steps from the start to that loss. advise: "
              "`voxdiff advise` with its defaults on the k = 1 run's checkpoint at the phase (each branch's Adam second "
-             "moment refit to its batch); control: the same with --adam-refit-samples 0 (the checkpoint's v kept). "
+             "moment moved to its batch by the sampling noise's share); control: the same with --adam-refit-samples 0 (the checkpoint's v kept). "
              f"Study runs: {study_design(result)}.", "",
              "| phase (samples) | val loss | study B_crit used (interval) | basis | study, cumulative | advise "
              "branches (interval) | ratio | within 2× | noise scale | ratio | within 2× | noise scale, Adam's "

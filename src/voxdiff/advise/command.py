@@ -29,7 +29,7 @@ class AdviseOptions:
     branch_batches: tuple[int, ...] = ()  # () = train.batch_size x (1, 2, 4, 8)
     val_draws: int = 8                  # per validation subject, for the branches (training's own: train.val_draws)
     probe_samples: int = 0              # 0 = train.gns_probe_samples (32 when that is 0)
-    adam_refit_samples: int = 64        # single-sample gradients that refit Adam's v per branch batch; 0 = keep
+    adam_refit_samples: int = 64        # single-sample gradients that move Adam's v to each branch batch; 0 = keep
     max_micro_batch: int = 64
     speed_steps: int = 2
     warmup_samples: int = 256
@@ -339,9 +339,10 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 @click.option("--probe-samples", type=click.IntRange(0), default=0,
               help="Single-sample gradients of the marginal noise-scale probe [default: train.gns_probe_samples].")
 @click.option("--adam-refit-samples", type=click.IntRange(0), default=64, show_default=True,
-              help="Single-sample gradients from which each branch's Adam second moment is set to what it settles "
-                   "to at that branch's batch (the checkpoint's remembers ~1000 steps of its own batch, which a "
-                   "short branch cannot forget); at least 4x the largest branch batch; 0 keeps the checkpoint's.")
+              help="Single-sample gradients from which each branch's Adam second moment is moved from the "
+                   "checkpoint's batch to the branch's (the sampling noise's share of it; the checkpoint's remembers "
+                   "~1000 steps of its own batch, which a short branch cannot forget); at least 4x the largest "
+                   "branch batch; 0 keeps the checkpoint's.")
 @click.option("--max-micro-batch", type=click.IntRange(1), default=64, show_default=True,
               help="Largest micro-batch the memory/speed search tries.")
 @click.option("--warmup-samples", type=click.IntRange(1), default=256, show_default=True,
@@ -361,7 +362,7 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
     b. the gradient noise scale B_simple at the checkpoint (marginal over timesteps and per timestep
        bucket, with an interval);
     c. short training branches from the checkpoint at effective batch b, 2b, 4b, 8b on the same samples,
-       2 seeds or more, each with Adam's second moment set to its own batch's (the checkpoint's remembers
+       2 seeds or more, each with Adam's second moment moved to its own batch (the checkpoint's remembers
        ~1000 steps of the trained batch): the steps each needs to the same val-loss gain, fitted with
        S = S_min (1 + B_crit / B), give a local B_crit with an interval that needs no noise-scale theory;
        when the noise scale disagrees by more than 2x, advise says so and trusts the branches;

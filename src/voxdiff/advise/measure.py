@@ -299,7 +299,7 @@ class BranchPlan:
     val_draws: int             # validation draws per validation subject
     ema_halflife: float        # train.ema_halflife_samples of the branches
     ema_position: float        # mean sample position of the checkpoint's EMA weights, from the branches' start
-    adam_refit_samples: int = 0  # single-sample gradients that set each branch's Adam v to its batch's; 0 = keep
+    adam_refit_samples: int = 0  # single-sample gradients that move each branch's Adam v to its batch; 0 = keep
 
     @property
     def usable_from(self) -> float:
