@@ -347,12 +347,11 @@ class Trainer:
         batch over the old, with train.grad_clip). A restored state carries ~1/(1 - beta2) steps (1000 at
         0.999) of the trained batch's squared gradients, which a short branch cannot forget.
 
-        Why rescale, not replace by the moment measured here: v averages the gradient along the trajectory,
-        and on the study's model that holds far more than the sampling noise at fixed weights (the step to
-        step change of the gradient; per coordinate the median v was ~1000x the squared gradient at the
-        checkpoint's weights, at the same total), so a v measured at one point made Adam's step 15-25x
-        longer and the branches diverged (benchmarks/advise_vs_study). Scaling keeps the history and moves
-        only the noise's share. One process only (every rank would measure its own moments and the
+        Why rescale, not replace by the moment measured here: v averages the gradient along the trajectory;
+        on the study's model it is spread over coordinates where the gradient at the checkpoint's weights
+        is small (per coordinate a median 400-1200x the moment measured there, at the same total), so a v
+        measured at one point made Adam's steps 10-25x longer and the branches' val loss rose
+        (benchmarks/advise_vs_study). Scaling keeps the history and moves only the noise's share. One process only (every rank would measure its own moments and the
         replicas' optimizer states would drift apart)."""
         if self.rt.world_size > 1:
             raise RuntimeError("rescale_adam_second_moment runs in one process (advise), not under torchrun")
