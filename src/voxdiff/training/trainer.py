@@ -349,8 +349,8 @@ class Trainer:
 
         Why rescale, not replace by the moment measured here: v averages the gradient along the trajectory;
         on the study's model it is spread over coordinates where the gradient at the checkpoint's weights
-        is small (per coordinate a median 400-1200x the moment measured there, at the same total), so a v
-        measured at one point made Adam's steps 10-25x longer and the branches' val loss rose
+        is small (per coordinate a median 360-1230x the moment measured there, at the same total), so a v
+        measured at one point made Adam's steps 11-25x longer and the branches' val loss rose
         (benchmarks/advise_vs_study). Scaling keeps the history and moves only the noise's share. One process only (every rank would measure its own moments and the
         replicas' optimizer states would drift apart)."""
         if self.rt.world_size > 1:
