@@ -398,7 +398,7 @@ def _branch(session: Session, plan: BranchPlan, b: int, seed: int, first: float,
                            warmup_samples=0, val_draws=plan.val_draws, ema_halflife_samples=plan.ema_halflife)
     tr = session.trainer(p)
     if moments is not None and session.trained_batch:
-        tr.rescale_adam_second_moment(moments, session.trained_batch)
+        tr.move_adam_second_moment(moments, session.trained_batch)
     c = tr.counters
     c.step, c.samples_seen = plan.start // b, plan.start
     progress.phase(f"branches: seed {seed}, effective batch {b} ({m} x {b // m})")
@@ -448,7 +448,7 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
     ~1/(1 - beta2) steps of the trained batch's squared gradients; a branch of a few dozen steps keeps it,
     so at a larger batch Adam would divide a less noisy gradient by the smaller batch's v, a B-independence
     that is the checkpoint's memory, not this point's critical batch. Each branch's v is moved to its own
-    batch by the sampling noise's share (Trainer.rescale_adam_second_moment)."""
+    batch by the sampling noise's share (Trainer.move_adam_second_moment)."""
     from voxdiff.advise.fit import branch_target
 
     progress.phase("branches: the checkpoint's EMA")

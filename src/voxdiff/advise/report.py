@@ -64,9 +64,10 @@ def _refit_sentence(plan) -> str:
     if not plan.adam_refit_samples:
         return ("Every branch keeps the checkpoint's Adam second moment (--adam-refit-samples 0): over a short "
                 "branch it still holds the checkpoint's batch's gradient statistics.")
-    return (f"Each branch's Adam second moment is moved from the checkpoint's batch to its own, per coordinate "
-            f"by (G^2 + sigma^2/B) / (G^2 + sigma^2/B0) (scaled by the clip) from {plan.adam_refit_samples} "
-            "single-sample gradients: the checkpoint's remembers ~1000 steps of its own batch.")
+    return (f"Each branch's Adam second moment is moved from the checkpoint's batch B0 to its own B by the "
+            f"sampling noise's share, sigma^2 (1/B0 - 1/B) per coordinate (with the clip's scale), sigma^2 from "
+            f"{plan.adam_refit_samples} single-sample gradients: the checkpoint's remembers ~1000 steps of its own "
+            "batch.")
 
 
 def _samples_per_batch(a: "Advice") -> dict:

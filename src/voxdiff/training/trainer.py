@@ -341,25 +341,30 @@ class Trainer:
                             len(self.train_rows), (1, *self.shape))
         return gns.gradient_moments(lambda i: self.sample_gradient(*draws[i]), count)
 
-    def rescale_adam_second_moment(self, moments: gns.GradientMoments, trained_batch: int) -> None:
-        """Move Adam's second moment from the batch it was trained at to this trainer's effective batch:
-        each coordinate times moments.second_moment_ratio (the sampling noise's share of E[g^2] at the new
-        batch over the old, with train.grad_clip). A restored state carries ~1/(1 - beta2) steps (1000 at
-        0.999) of the trained batch's squared gradients, which a short branch cannot forget.
+    def move_adam_second_moment(self, moments: gns.GradientMoments, trained_batch: int) -> None:
+        """Move Adam's second moment from the batch it was trained at to this trainer's effective batch
+        (moments.move_second_moment with train.grad_clip: the sampling noise's share shifts, the
+        trajectory's history stays). A restored state carries ~1/(1 - beta2) steps (1000 at 0.999) of the
+        trained batch's squared gradients, which a short branch cannot forget. The step count is kept, and
+        exp_avg_sq scaled with v_hat by the same bias correction (torch's Adam adds 1 to the step before it
+        corrects by 1 - beta2^step). One process only (every rank would measure its own moments and the
+        replicas' optimizer states would drift apart).
 
-        Why rescale, not replace by the moment measured here: v averages the gradient along the trajectory;
-        on the study's model it is spread over coordinates where the gradient at the checkpoint's weights
-        is small (per coordinate a median 360-1230x the moment measured there, at the same total), so a v
-        measured at one point made Adam's steps 11-25x longer and the branches' val loss rose
-        (benchmarks/advise_vs_study). Scaling keeps the history and moves only the noise's share. One process only (every rank would measure its own moments and the
-        replicas' optimizer states would drift apart)."""
+        Not a replacement by the moment measured here: on the study's model that made Adam's steps 11-25x
+        longer and the branches' val loss rose (benchmarks/advise_vs_study), v being mostly the trajectory's
+        history there."""
         if self.rt.world_size > 1:
-            raise RuntimeError("rescale_adam_second_moment runs in one process (advise), not under torchrun")
-        ratios = moments.second_moment_ratio(self.budget.effective_batch, trained_batch, self.p.train.grad_clip)
-        for p, r in zip(self.trainable(), ratios):
-            state = self.opt.state.get(p)
-            if state and "exp_avg_sq" in state:  # no state yet: Adam starts this parameter fresh anyway
-                state["exp_avg_sq"].mul_(r)
+            raise RuntimeError("move_adam_second_moment runs in one process (advise), not under torchrun")
+        beta2 = self.opt.param_groups[0]["betas"][1]
+        params = [p for p in self.trainable() if "exp_avg_sq" in self.opt.state.get(p, {})]
+        if len(params) != len(self.trainable()):
+            raise RuntimeError("Adam has no second moment for some parameters: nothing to move")
+        states = [self.opt.state[p] for p in params]
+        bias = [1.0 - beta2 ** float(st["step"]) for st in states]
+        v_hat = [st["exp_avg_sq"] / c for st, c in zip(states, bias)]
+        moved = moments.move_second_moment(v_hat, self.budget.effective_batch, trained_batch, self.p.train.grad_clip)
+        for st, v, c in zip(states, moved, bias):
+            st["exp_avg_sq"].copy_(v * c)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state(self, finished: bool, run_id: str | None) -> dict:
