@@ -424,7 +424,7 @@ def test_moving_the_second_moment_shifts_only_the_noise_share():
     s2, s8 = m.clip_scale_sq(2, clip), m.clip_scale_sq(8, clip)
     assert s2 < s8 < 1
     (clipped,) = m.move_second_moment([1000 * v2], 8, 2, clip)
-    assert torch.allclose(clipped, (1000 * v2 - s2 * m.noise()[0] * (1 / 2 - 1 / 8)) * (s8 / s2), rtol=1e-5)
+    assert torch.allclose(clipped, (1000 * v2 - s2 * m.noise[0] * (1 / 2 - 1 / 8)) * (s8 / s2), rtol=1e-5)
 
 
 def test_gradient_moments_leave_out_non_finite_gradients():

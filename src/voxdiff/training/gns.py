@@ -15,6 +15,7 @@ keep at most two gradient copies alive (two_pass_estimate).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -353,17 +354,21 @@ def probe_noise_scale(gradient_of, seed: int, timesteps: int, buckets: int, buck
 
 
 ADAM_PREFIX = "gns_marginal_adam"
-# probe_draws "bucket" tag of the draws that refit Adam's second moment (advise's branches): its own stream.
+# probe_draws "bucket" tag of the draws that move Adam's second moment (advise's branches): its own stream.
 MOMENT_STREAM = 0x5A17
 
 
 @dataclasses.dataclass
 class GradientMoments:
-    """Per-coordinate mean and mean square of n single-sample gradients (one tensor per parameter)."""
+    """Per-coordinate mean and mean square of n single-sample gradients (one tensor per parameter).
+
+    The per-coordinate noise and signal and their sums are computed once (cached): advise asks for them
+    for every branch batch, and each is a parameter-sized list."""
     mean: list
     mean_sq: list
     n: int
 
+    @functools.cached_property
     def noise(self) -> list:
         """sigma^2 per coordinate, n (A - C) / (n - 1) with A = mean of g_i^2 and C = (mean g_i)^2: unbiased,
         n - 1 degrees of freedom."""
@@ -371,29 +376,42 @@ class GradientMoments:
 
         return [torch.clamp(sq - m * m, min=0.0) * (self.n / (self.n - 1)) for m, sq in zip(self.mean, self.mean_sq)]
 
+    @functools.cached_property
+    def signal(self) -> list:
+        """max(G^2, 0) per coordinate, G^2 = C - sigma^2 / n = (n C - A) / (n - 1): unbiased before the clamp
+        (a difference that can fall below 0)."""
+        import torch
+
+        return [torch.clamp(m * m - v / self.n, min=0.0) for m, v in zip(self.mean, self.noise)]
+
+    @functools.cached_property
+    def _totals(self) -> tuple[float, float]:
+        """(sum of signal, sum of noise) over all coordinates, in float64."""
+        import torch
+
+        return (float(sum(torch.sum(s, dtype=torch.float64) for s in self.signal)),
+                float(sum(torch.sum(v, dtype=torch.float64) for v in self.noise)))
+
     def batch_second_moment(self, batch: int, clip: float = 0.0) -> list:
         """E[(s_B g_B)^2] per coordinate, g_B the mean gradient of `batch` samples and s_B the clip's scale,
         at these weights.
 
-        Unclipped, E[g_B^2] = G^2 + sigma^2 / B per coordinate; G^2 = (n C - A) / (n - 1) is unbiased but a
-        difference that can fall below 0, and at B near n a per-coordinate estimate of it alone would leave
-        some coordinates near 0. So max(G^2, 0) + sigma^2 / B: never below the noise's share (it holds for
-        the truth), biased up where G^2 < ~sigma^2 / n, for Gaussian gradients by E[(chi2_1 - 1)+] sigma^2 /
-        (n - 1) = 0.48 sigma^2 / (n - 1) at G = 0. The clip (train.grad_clip on the whole gradient's norm)
-        scales by s_B^2 ~ min(1, clip^2 / E|g_B|^2), |g_B|^2 concentrating in many dimensions."""
-        import torch
-
-        out = [torch.clamp(m * m - v / self.n, min=0.0) + v / batch for m, v in zip(self.mean, self.noise())]
-        return [v * self.clip_scale_sq(batch, clip) for v in out]
+        Unclipped, E[g_B^2] = G^2 + sigma^2 / B per coordinate; at B near n a per-coordinate estimate of G^2
+        alone would leave some coordinates near 0, so max(G^2, 0) + sigma^2 / B: never below the noise's
+        share (it holds for the truth), biased up where G^2 < ~sigma^2 / n, for Gaussian gradients by
+        E[(chi2_1 - 1)+] sigma^2 / (n - 1) = 0.48 sigma^2 / (n - 1) at G = 0. The clip (train.grad_clip on
+        the whole gradient's norm) scales by s_B^2 ~ min(1, clip^2 / E|g_B|^2), |g_B|^2 concentrating in
+        many dimensions."""
+        scale = self.clip_scale_sq(batch, clip)
+        return [(s + v / batch) * scale for s, v in zip(self.signal, self.noise)]
 
     def clip_scale_sq(self, batch: int, clip: float) -> float:
-        """s_B^2 = min(1, clip^2 / E|g_B|^2) (1 without a clip)."""
-        import torch
-
+        """s_B^2 = min(1, clip^2 / E|g_B|^2) (1 without a clip), E|g_B|^2 = the sum of batch_second_moment's
+        unclipped coordinates."""
         if clip <= 0:
             return 1.0
-        norm_sq = float(sum(torch.sum(torch.clamp(m * m - v / self.n, min=0.0) + v / batch, dtype=torch.float64)
-                            for m, v in zip(self.mean, self.noise())))
+        signal, noise = self._totals
+        norm_sq = signal + noise / batch
         return min(1.0, clip * clip / norm_sq) if norm_sq > 0 else 1.0
 
     def move_second_moment(self, v_hat: list, batch: int, trained_batch: int, clip: float = 0.0) -> list:
@@ -410,7 +428,7 @@ class GradientMoments:
         s0, s1 = self.clip_scale_sq(trained_batch, clip), self.clip_scale_sq(batch, clip)
         delta = 1.0 / trained_batch - 1.0 / batch
         out = []
-        for v, noise in zip(v_hat, self.noise()):
+        for v, noise in zip(v_hat, self.noise):
             moved = v - s0 * noise * delta
             if delta > 0:
                 moved = torch.maximum(moved, v * (trained_batch / batch))
@@ -420,7 +438,7 @@ class GradientMoments:
 
 def gradient_moments(gradient, count: int) -> GradientMoments:
     """GradientMoments of gradient(i), i < count (non-finite gradients left out), in float32 accumulators:
-    two gradient-sized copies alive besides the current gradient (kept by the caller while it refits)."""
+    two gradient-sized copies alive besides the current gradient (kept by the caller while it moves v)."""
     import torch
 
     total = total_sq = None
