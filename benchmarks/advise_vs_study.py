@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default=",".join(map(str, PHASES)))
     ap.add_argument("--advise-args", default="", help="extra `voxdiff advise` options, e.g. '--budget-samples 256'")
     ap.add_argument("--no-control", action="store_true",
-                    help="skip the control: advise again with --adam-refit-samples 0 (the checkpoint's Adam v kept)")
+                    help="skip the control: advise again with --adam-moment-samples 0 (the checkpoint's Adam v kept)")
     a = ap.parse_args(argv)
     phases = [int(p) for p in a.phases.split(",")]
 
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
         data = json.loads((work / f"advise-{p}.json").read_text())
         control = None
         if not a.no_control:
-            run_advise(AdviseOptions(**{**opts, "adam_refit_samples": 0, "out": work / f"advise-{p}-v-kept.md"}),
+            run_advise(AdviseOptions(**{**opts, "adam_moment_samples": 0, "out": work / f"advise-{p}-v-kept.md"}),
                        echo=lambda s: print(s, file=sys.stderr))
             control = json.loads((work / f"advise-{p}-v-kept.json").read_text())
         study = study_b_crit(runs, a.seed, p)
@@ -286,7 +286,7 @@ def markdown(result: dict) -> str:
              "(90 % bootstrap interval over seeds), or, where fewer than 3 batch sizes get that low, the report's "
              "B_crit at the deepest target every run reaches; cumulative: steps from the start to that loss. advise: "
              "`voxdiff advise` with its defaults on the k = 1 run's checkpoint at the phase (each branch's Adam second "
-             "moment moved to its batch by the sampling noise's share); control: the same with --adam-refit-samples 0 (the checkpoint's v kept). "
+             "moment moved to its batch by the sampling noise's share); control: the same with --adam-moment-samples 0 (the checkpoint's v kept). "
              f"Study runs: {study_design(result)}.", "",
              "| phase (samples) | val loss | study B_crit used (interval) | basis | study, cumulative | advise "
              "branches (interval) | ratio | within 2× | noise scale | ratio | within 2× | noise scale, Adam's "

@@ -176,7 +176,7 @@ def test_quadratic_advice_is_the_law_of_its_b_crit(quadratic):
     assert r18["minutes"] / r11["minutes"] == pytest.approx((1 + 8 / bc) / (1 + 1 / bc))
 
 
-def adam_on_the_quadratic(root, monkeypatch, adam_refit_samples: int) -> dict:
+def adam_on_the_quadratic(root, monkeypatch, adam_moment_samples: int) -> dict:
     """Adam as trained (beta1 0.9, eps 1e-8, its own constant lr) on the quadratic, from a checkpoint trained
     at batch 2 whose Adam moments are warm (100 steps); branches at 2, 4, 8, 16. The advise.json."""
     shape = (16, 16, 16)
@@ -184,31 +184,31 @@ def adam_on_the_quadratic(root, monkeypatch, adam_refit_samples: int) -> dict:
     make_project(root, {**QUADRATIC, "train.adam_betas": [0.9, 0.999], "train.adam_eps": 1e-8,
                         "train.lr": 1e-2, "train.batch_size": 2, "train.accumulate_every": 1}, warm_steps=100)
     advise(root, branch_batches=(2, 4, 8, 16), world_sizes=(1,), max_micro_batch=2, probe_samples=32,
-           adam_refit_samples=adam_refit_samples, log=False)
+           adam_moment_samples=adam_moment_samples, log=False)
     return json.loads((root / "reports" / "advise.json").read_text())
 
 
-def test_adams_second_moment_refit_per_branch_gives_each_batch_its_own_step(tmp_path, monkeypatch):
+def test_adams_second_moment_moved_per_branch_gives_each_batch_its_own_step(tmp_path, monkeypatch):
     """Adam divides by sqrt(v), v -> G^2 + sigma^2/B = (4/d^2)(C^2 + 1/B) per coordinate once it has trained at
     batch B: far below the noise floor (this lr), a step moves w by ~lr G / sqrt(v), so the steps to the
     same gain scale as sqrt(v_B): batch 16 needs sqrt((C^2 + 1/16) / (C^2 + 1/2)) = 0.65x the steps of batch 2.
-    With v refit per branch (the default) the branches measure that; keeping the checkpoint's batch-2 v
+    With v moved per branch (the default) the branches measure that; keeping the checkpoint's batch-2 v
     (test_disagreement_is_reported_and_the_branches_are_trusted, the negative control) they read ~1x."""
     data = adam_on_the_quadratic(tmp_path, monkeypatch, 64)
     steps = {int(b): np.mean(v) for b, v in data["branches"]["steps_to_target"].items()}
     expected = math.sqrt((C ** 2 + 1 / 16) / (C ** 2 + 1 / 2))
     assert steps[16] / steps[2] == pytest.approx(expected, rel=0.15), steps
     assert steps[8] / steps[2] == pytest.approx(math.sqrt((C ** 2 + 1 / 8) / (C ** 2 + 1 / 2)), rel=0.15), steps
-    assert data["branches"]["adam_refit_samples"] == 64  # 4x the largest batch, 16
+    assert data["branches"]["adam_moment_samples"] == 64  # 4x the largest batch, 16
 
 
 def test_disagreement_is_reported_and_the_branches_are_trusted(tmp_path, monkeypatch):
-    """The same Adam with the checkpoint's second moment kept (--adam-refit-samples 0): it remembers ~1000
+    """The same Adam with the checkpoint's second moment kept (--adam-moment-samples 0): it remembers ~1000
     steps of batch 2, so over a short branch each step moves every weight by ~lr / sqrt(v_2) whatever the
     batch, and steps to a target barely fall with B (B_crit far below B_simple), while B_simple still reads
     4. advise says they disagree and uses the branches."""
     data = adam_on_the_quadratic(tmp_path, monkeypatch, 0)
-    assert data["branches"]["adam_refit_samples"] == 0
+    assert data["branches"]["adam_moment_samples"] == 0
     assert data["b_noise"] == pytest.approx(B_NOISE, rel=0.35)
     # Adam's moments (restored from the checkpoint) have the same statistics in every coordinate here, so
     # the probe in Adam's coordinates reads the plain B too: whitening does not explain this miss (Adam's
@@ -271,6 +271,27 @@ def test_fit_branches_reads_steps_between_validations():
     assert none.b_crit is None and "did not lower the val loss" in none.note and "--budget-samples" in none.note
     assert fit.reconcile(none, None).trusted == "none"
     assert fit.reconcile(none, 5.0).law.b_crit == 5.0
+
+
+def test_a_largest_batch_that_makes_no_progress_is_reported_and_left_out_of_the_fit():
+    """The law's curves at B = 1-8 (B_crit = 3) plus a B = 16 whose val loss rises over its whole branch (as
+    batch 16 did on the demo's checkpoint): with B = 16 named as making no progress, the target comes from
+    B = 8 and the fit recovers B_crit = 3, while B = 16's gain stays in the report; without (the control) the
+    rising batch sets no target and nothing is fitted."""
+    at = (0, 8, 16, 32, 64, 96, 128)
+
+    def curve(batch, seed, scale=1.0):
+        rate = 0.001 * scale * batch / (batch + 3.0)
+        return fit.BranchCurve(batch, seed, 1, at, tuple(1.0 - rate * s / batch for s in at))
+
+    rising = [fit.BranchCurve(16, s, 8, at, tuple(1.0 + 0.0002 * e for e in at)) for s in (0, 1, 2)]
+    curves = rising + [curve(b, s, 1 + 0.01 * s) for b in (1, 2, 4, 8) for s in (0, 1, 2)]
+    got = fit.fit_branches(curves, n_boot=200, no_progress=[16])
+    assert got.b_crit == pytest.approx(3.0, rel=0.02) and got.lo <= 3.0 <= got.hi
+    assert 16 not in got.steps and got.mean_gain[16] == pytest.approx(-0.0002 * (128 - 8), rel=1e-6)  # first usable (8) to the end
+    assert got.no_progress == (16,) and got.fitted_batches == [1, 2, 4, 8] and "B = 16 lowered nothing" in got.note and "fitted over B = 1, 2, 4, 8" in got.note
+    control = fit.fit_branches(curves, n_boot=50)
+    assert control.b_crit is None and "B = 16 did not lower the val loss" in control.note
 
 
 # --- the command: outputs, MLflow, bad input ------------------------------------------------------------------

@@ -29,7 +29,7 @@ class AdviseOptions:
     branch_batches: tuple[int, ...] = ()  # () = train.batch_size x (1, 2, 4, 8)
     val_draws: int = 8                  # per validation subject, for the branches (training's own: train.val_draws)
     probe_samples: int = 0              # 0 = train.gns_probe_samples (32 when that is 0)
-    adam_refit_samples: int = 64        # single-sample gradients that move Adam's v to each branch batch; 0 = keep
+    adam_moment_samples: int = 64        # single-sample gradients that move Adam's v to each branch batch; 0 = keep
     max_micro_batch: int = 64
     speed_steps: int = 2
     warmup_samples: int = 256
@@ -41,7 +41,7 @@ class AdviseOptions:
         return {"checkpoint": str(self.checkpoint or DEFAULT_CHECKPOINT), "world_sizes": ",".join(map(str, self.world_sizes)),
                 "budget_samples": self.budget_samples or "auto", "branch_seeds": self.branch_seeds,
                 "branch_batches": ",".join(map(str, self.branch_batches)) or "auto", "val_draws": self.val_draws,
-                "probe_samples": self.probe_samples or "auto", "adam_refit_samples": self.adam_refit_samples,
+                "probe_samples": self.probe_samples or "auto", "adam_moment_samples": self.adam_moment_samples,
                 "max_micro_batch": self.max_micro_batch, "warmup_samples": self.warmup_samples}
 
 
@@ -167,7 +167,7 @@ def _work_estimate(opts: AdviseOptions, inputs: Inputs, plan: Plan) -> float:
     branches = samples * per_branch
     validations = (1 + points * per_branch) * opts.val_draws * plan.val_subjects / 3
     return (sweep + measure.noise_cost(inputs.params, plan.marginal) + branches + validations
-            + measure.adam_refit_draws(opts.adam_refit_samples, plan.batches)
+            + measure.adam_moment_draws(opts.adam_moment_samples, plan.batches)
             + (opts.warmup_samples if inputs.state is None else 0))
 
 
@@ -198,7 +198,7 @@ def measure_all(opts: AdviseOptions, inputs: Inputs, plan: Plan, rt, echo) -> Me
         noise = measure.noise_scale(session, plan.marginal, progress)
         lap("noise scale")
         branch_plan = measure.plan_branches(session, plan.batches, opts.branch_seeds, opts.budget_samples,
-                                            opts.val_draws, speed, opts.adam_refit_samples)
+                                            opts.val_draws, speed, opts.adam_moment_samples)
         branches = measure.run_branches(session, branch_plan, progress)
         lap("branches")
     finally:
@@ -212,7 +212,8 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
     from voxdiff.training.schedule import plan_budget
 
     t = inputs.params.train
-    branch = fit.fit_branches(m.branches.curves, level=t.gns_ci_level, usable_from=m.branch_plan.usable_from)
+    branch = fit.fit_branches(m.branches.curves, level=t.gns_ci_level, usable_from=m.branch_plan.usable_from,
+                              no_progress=m.branches.no_progress)
     verdict = fit.reconcile(branch, m.noise.marginal.value, m.noise.marginal.lo)
     current = fit.Setting(t.batch_size, t.accumulate_every, 1)
     horizon = plan_budget(t, 1).total_samples
@@ -327,8 +328,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
               help="Device counts to predict (one device measured; N devices at N x its samples/s).")
 @click.option("--budget-samples", type=click.IntRange(0), default=0,
               help="Samples the largest batch's branches train (rounded up to whole steps of every batch; the "
-                   "smaller batches stop once past its target) [default: 24 steps of the largest batch, at least "
-                   "128: 384 on the demo].")
+                   "smaller batches stop once past its target; if it lowers nothing, the next batch down sets "
+                   "the target) [default: 24 steps of the largest batch, at least 128: 384 on the demo].")
 @click.option("--branch-seeds", type=click.IntRange(2), default=2, show_default=True,
               help="Seeds (per-sample draws) per branch batch; the interval is a bootstrap over them.")
 @click.option("--branch-batches", default="", help="Effective batches of the branches [default: train.batch_size "
@@ -338,7 +339,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
                    "few to resolve a short branch's gain).")
 @click.option("--probe-samples", type=click.IntRange(0), default=0,
               help="Single-sample gradients of the marginal noise-scale probe [default: train.gns_probe_samples].")
-@click.option("--adam-refit-samples", type=click.IntRange(0), default=64, show_default=True,
+@click.option("--adam-moment-samples", type=click.IntRange(0), default=64, show_default=True,
               help="Single-sample gradients from which each branch's Adam second moment is moved from the "
                    "checkpoint's batch to the branch's (the sampling noise's share of it; the checkpoint's remembers "
                    "~1000 steps of its own batch, which a short branch cannot forget); at least 4x the largest "
@@ -352,7 +353,7 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 @click.option("--no-log", is_flag=True, help="Do not log the advice to MLflow.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, branch_seeds, branch_batches,
-                   val_draws, probe_samples, adam_refit_samples, max_micro_batch, warmup_samples, out, no_log,
+                   val_draws, probe_samples, adam_moment_samples, max_micro_batch, warmup_samples, out, no_log,
                    progress):
     """What accumulate_every (and micro-batch, and device count) costs or saves on your own model, at your
     own point in training, measured in a few minutes from a checkpoint, on the device training uses.
@@ -378,7 +379,7 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
                          branch_seeds=branch_seeds,
                          branch_batches=_ints(branch_batches, "--branch-batches") if branch_batches else (),
                          val_draws=val_draws, probe_samples=probe_samples,
-                         adam_refit_samples=adam_refit_samples, max_micro_batch=max_micro_batch,
+                         adam_moment_samples=adam_moment_samples, max_micro_batch=max_micro_batch,
                          warmup_samples=warmup_samples, out=out, log=not no_log, progress=progress)
     advice = run_advise(opts)
     click.echo(summary(advice))

@@ -97,6 +97,12 @@ class BranchFit:
     note: str = ""
     seed_interval: tuple = (None, None)  # convergence.bootstrap_critical_batch over seeds alone
     jitter: float | None = None          # std of the largest batch's validations around their trend
+    no_progress: tuple = ()              # larger batches that lowered nothing: reported, not fitted
+
+    @property
+    def fitted_batches(self) -> list:
+        """The batches the fit ran over (every batch measured but those that made no progress)."""
+        return sorted(b for b in self.mean_gain if b not in self.no_progress)
 
     @property
     def resolved(self) -> bool:
@@ -228,20 +234,30 @@ def jitter_bootstrap(curves: list[BranchCurve], n_boot: int, level: float, seed:
     return float(lo), float(hi)
 
 
+def gain(c: BranchCurve, usable_from: float = 0.0) -> float:
+    """A branch's val-loss gain from its first usable validation to its end level (> 0: it made progress)."""
+    return first_usable(c, usable_from) - end_level(c)
+
+
 def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: float = 0.0,
-                 n_boot: int = BOOTSTRAP) -> BranchFit:
+                 n_boot: int = BOOTSTRAP, no_progress: Sequence[int] = ()) -> BranchFit:
     """Steps each branch took to the same val-loss target (`branch_target`) -> fit S = S_min (1 + B_crit / B)
     (convergence.fit_critical_batch), with an interval from `jitter_bootstrap` (the seed-only interval of
     convergence.bootstrap_critical_batch, narrower, is kept in `seed_interval`). The steps are where the
     branch's EMA crossed the target (`crossing`), read between validations, / B; a crossing within the first
-    `usable_from` samples is an upper bound, named in `early`."""
+    `usable_from` samples is an upper bound, named in `early`. Batches in `no_progress` (larger batches whose
+    whole branch lowered nothing, measure.run_branches) keep their gains in the report and stay out of the
+    target and the fit: the law describes progress, and they made none."""
     start = curves[0].losses[0] if curves else math.nan
     batches = sorted({c.batch for c in curves})
-    gains = {b: [first_usable(c, usable_from) - end_level(c) for c in curves if c.batch == b] for b in batches}
+    gains = {b: [gain(c, usable_from) for c in curves if c.batch == b] for b in batches}
     mean_gain = {b: float(np.mean(g)) for b, g in gains.items()}
     spread = {b: float(np.std(g, ddof=1)) if len(g) > 1 else math.nan for b, g in gains.items()}
+    stalled = sorted(b for b in set(no_progress) if b in mean_gain)
+    curves = [c for c in curves if c.batch not in stalled]
+    batches = sorted({c.batch for c in curves})
     empty = dict(b_crit=None, lo=None, hi=None, level=level, law=None, start_loss=start, target_loss=None,
-                 mean_gain=mean_gain, gain_spread=spread, steps={}, dropped=[], checks={})
+                 mean_gain=mean_gain, gain_spread=spread, steps={}, dropped=[], checks={}, no_progress=tuple(stalled))
     target = branch_target(curves, usable_from=usable_from)
     if len(batches) < 2 or target is None:
         big = max(batches) if batches else None
@@ -264,6 +280,11 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
     big = max(batches)
     noise = float(np.mean([trend(c)[1] for c in curves if c.batch == big]))
     notes = []
+    if stalled:
+        notes.append(f"B = {', '.join(map(str, stalled))} lowered nothing over the largest batch's whole branch "
+                     f"(gain {', '.join(f'{mean_gain[s]:+.3g}' for s in stalled)}): no progress at this lr from this "
+                     f"checkpoint (past the largest batch it trains stably at, or at its noise floor); fitted over "
+                     f"B = {', '.join(map(str, batches))}, the target set by B = {big}")
     if not (0 < lo and hi < math.inf and hi / lo <= WIDE):
         notes.append(f"not resolved at this budget: the interval spans {lo:.3g}-{hi:.3g}; the val loss moves by "
                      f"±{noise:.2g} between validations against a gain of {mean_gain[big]:.2g} at B = {big}: more "
@@ -276,7 +297,7 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
         notes.append("steps did not fall with B over the batches tested (B_crit below the smallest)" if fit.b_crit == 0
                      else "steps fell as 1/B over every batch tested (B_crit above the largest)")
     return BranchFit(fit.b_crit, lo, hi, level, law, start, target, mean_gain, spread, steps, dropped,
-                     checks, early, "; ".join(notes), (seeds.lo, seeds.hi), noise)
+                     checks, early, "; ".join(notes), (seeds.lo, seeds.hi), noise, tuple(stalled))
 
 
 # --- the two estimates side by side ---------------------------------------------------------------
@@ -317,7 +338,7 @@ def _reconcile(branch: BranchFit, b_noise: float | None, b_noise_lo: float | Non
                            f"the noise scale is not resolved at this checkpoint{bound}; the branches are used")
         if bc == 0 or bc == math.inf:
             # An unresolved fit is a bound: below the smallest batch tested, or above the largest.
-            bound = min(branch.mean_gain) if bc == 0 else max(branch.mean_gain)
+            bound = min(branch.fitted_batches) if bc == 0 else max(branch.fitted_batches)
             side = "below" if bc == 0 else "above"
             agrees = b_noise <= DISAGREEMENT * bound if bc == 0 else b_noise >= bound / DISAGREEMENT
             if agrees:

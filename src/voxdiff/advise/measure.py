@@ -25,6 +25,7 @@ from voxdiff.training.schedule import lr_at, plan_budget, scaled_lr
 from voxdiff.training.trainer import Trainer
 
 NOT_MEASURED = "voxdiff advise: the accumulation noise scale is not read here"
+MIN_FIT_BATCHES = 3     # batches at or below the one whose gain sets the branches' target (run_branches)
 MEMORY_HEADROOM = 0.9   # CPU: stop before a micro-batch predicted to need more than this share of free RAM
 
 
@@ -299,7 +300,7 @@ class BranchPlan:
     val_draws: int             # validation draws per validation subject
     ema_halflife: float        # train.ema_halflife_samples of the branches
     ema_position: float        # mean sample position of the checkpoint's EMA weights, from the branches' start
-    adam_refit_samples: int = 0  # single-sample gradients that move each branch's Adam v to its batch; 0 = keep
+    adam_moment_samples: int = 0  # single-sample gradients that move each branch's Adam v to its batch; 0 = keep
 
     @property
     def usable_from(self) -> float:
@@ -348,7 +349,7 @@ def branch_samples(params: Params, batches, requested: int) -> int:
 
 
 def plan_branches(session: Session, batches: tuple[int, ...], seeds: int, samples: int, val_draws: int,
-                  speed: list[SpeedRow], adam_refit_samples: int) -> BranchPlan:
+                  speed: list[SpeedRow], adam_moment_samples: int) -> BranchPlan:
     unit = math.lcm(*batches)  # every branch steps onto each validation point and the start (= max for 2^n)
     start = math.ceil(session.samples_seen / unit) * unit  # a few draws skipped, never repeated
     ran = {r.micro: r.samples_per_s for r in speed if r.samples_per_s}
@@ -363,22 +364,24 @@ def plan_branches(session: Session, batches: tuple[int, ...], seeds: int, sample
     return BranchPlan(batches, tuple(first + i for i in range(seeds)), branch_samples(session.params, batches, samples),
                       start, unit, micro, t.lr * now, val_draws, branch_ema_halflife(session.params, batches),
                       ema_position(session.state, t.ema_halflife_samples) - start,
-                      adam_refit_draws(adam_refit_samples, batches))
+                      adam_moment_draws(adam_moment_samples, batches))
 
 
-def adam_refit_draws(requested: int, batches) -> int:
-    """Single-sample gradients of the Adam refit: `requested` (0: no refit), at least 4x the largest branch
+def adam_moment_draws(requested: int, batches) -> int:
+    """Single-sample gradients of the Adam move: `requested` (0: no move), at least 4x the largest branch
     batch (the estimate's upward bias where G ~ 0 is about B / 2n of v: <= 12 %)."""
     return max(requested, 4 * max(batches)) if requested else 0
 
 
 @dataclasses.dataclass
 class BranchRun:
-    """What run_branches hands on: the curves, the target they were timed to, the validations run."""
+    """What run_branches hands on: the curves, the target they were timed to, the validations run, and the
+    larger batches that made no progress over their whole branch (left out of the target and the fit)."""
     curves: list
     target: float | None
     validations: int
     notes: list
+    no_progress: list = dataclasses.field(default_factory=list)
 
     @property
     def samples(self) -> int:
@@ -444,33 +447,42 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
     (branch_ema_halflife), and its lag is removed by placing each validation at the weights' mean position.
     Why a target deep in the largest batch's branch: smaller batches reach it sooner, and it must still
     lie past the samples in which their EMA forgets the checkpoint (plan.usable_from).
-    Why Adam's second moment is rescaled per batch (plan.adam_refit_samples): the checkpoint's v averages
+    Why Adam's second moment is rescaled per batch (plan.adam_moment_samples): the checkpoint's v averages
     ~1/(1 - beta2) steps of the trained batch's squared gradients; a branch of a few dozen steps keeps it,
     so at a larger batch Adam would divide a less noisy gradient by the smaller batch's v, a B-independence
     that is the checkpoint's memory, not this point's critical batch. Each branch's v is moved to its own
-    batch by the sampling noise's share (Trainer.move_adam_second_moment)."""
+    batch by the sampling noise's share (Trainer.move_adam_second_moment).
+    Why the next batch down sets the target when the largest lowers nothing: at the checkpoint's lr a large
+    batch can be past the batch it trains stably at (in the study, effective batch 8 spiked at 2x the lr; on
+    the demo's checkpoint batch 16's val loss rose by 0.014 in 24 steps), and one such batch would leave the
+    others untimed. It is reported as making no progress, and the fit keeps at least three batches (with
+    four: at most one falls back)."""
     from voxdiff.advise.fit import branch_target
 
     progress.phase("branches: the checkpoint's EMA")
     tr = session.trainer(session.params_for(1, 1, 1, val_draws=plan.val_draws))
     first = tr.validation_loss()  # the same weights and draws at the start of every branch
     moments = None
-    if plan.adam_refit_samples:
-        progress.phase(f"branches: Adam's second moment per batch, from {plan.adam_refit_samples} single-sample gradients")
-        moments = tr.gradient_moments(plan.adam_refit_samples)
-        progress.tick(plan.adam_refit_samples)
+    if plan.adam_moment_samples:
+        progress.phase(f"branches: Adam's second moment per batch, from {plan.adam_moment_samples} single-sample gradients")
+        moments = tr.gradient_moments(plan.adam_moment_samples)
+        progress.tick(plan.adam_moment_samples)
     del tr
     run = BranchRun([], None, 1, [])
     order = sorted(plan.batches, reverse=True)
-    for b in order:
-        if b != order[0] and run.target is None:
-            break  # the largest batch made no gain: nothing to time the others to
+    for i, b in enumerate(order):
+        if run.target is None and i > 0 and len(order) - i < MIN_FIT_BATCHES:
+            break  # no batch made a gain with enough batches below it to fit: nothing to time the others to
         for seed in plan.seeds:
             curve, validations, note = _branch(session, plan, b, seed, first, run.target, moments, progress)
             run.curves.append(curve)
             run.validations += validations
             if note:
                 run.notes.append(note)
-        if b == order[0]:
-            run.target = branch_target(run.curves, usable_from=plan.usable_from)
+        if run.target is None:
+            run.target = branch_target([c for c in run.curves if c.batch == b], usable_from=plan.usable_from)
+            if run.target is None:
+                run.no_progress.append(b)
+    if run.target is None:
+        run.no_progress = []  # nothing fitted: the fit names the largest batch's lack of gain
     return run

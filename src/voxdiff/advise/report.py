@@ -60,13 +60,13 @@ def finite(x):
     return x
 
 
-def _refit_sentence(plan) -> str:
-    if not plan.adam_refit_samples:
-        return ("Every branch keeps the checkpoint's Adam second moment (--adam-refit-samples 0): over a short "
+def _moment_sentence(plan) -> str:
+    if not plan.adam_moment_samples:
+        return ("Every branch keeps the checkpoint's Adam second moment (--adam-moment-samples 0): over a short "
                 "branch it still holds the checkpoint's batch's gradient statistics.")
     return (f"Each branch's Adam second moment is moved from the checkpoint's batch B0 to its own B by the "
             f"sampling noise's share, sigma^2 (1/B0 - 1/B) per coordinate (with the clip's scale), sigma^2 from "
-            f"{plan.adam_refit_samples} single-sample gradients: the checkpoint's remembers ~1000 steps of its own "
+            f"{plan.adam_moment_samples} single-sample gradients: the checkpoint's remembers ~1000 steps of its own "
             "batch.")
 
 
@@ -88,9 +88,9 @@ def _gain_rates(a: "Advice", per_step: bool) -> dict:
 def _bound(b: BranchFit) -> dict | None:
     """An unresolved branch fit as what it is, a bound: below the smallest batch tested or above the largest."""
     if b.b_crit == 0:
-        return {"below": min(b.mean_gain)}
+        return {"below": min(b.fitted_batches)}
     if b.b_crit == math.inf:
-        return {"above": max(b.mean_gain)}
+        return {"above": max(b.fitted_batches)}
     return None
 
 
@@ -123,12 +123,13 @@ def as_json(a: Advice) -> dict:
                      "samples_per_batch": _samples_per_batch(a), "start_sample": plan.start,
                      "val_every_samples": plan.val_every, "val_draws": plan.val_draws,
                      "lr": plan.lr, "micro_batch": plan.micro, "ema_halflife": plan.ema_halflife,
-                     "adam_refit_samples": plan.adam_refit_samples,
+                     "adam_moment_samples": plan.adam_moment_samples,
                      "checkpoint_ema_position": plan.ema_position, "start_loss": b.start_loss,
                      "target_loss": b.target_loss, "mean_gain": b.mean_gain, "gain_spread": b.gain_spread,
                      "gain_per_sample": _gain_rates(a, per_step=False),
                      "gain_per_step": _gain_rates(a, per_step=True), "early_crossings": b.early,
-                     "steps_to_target": b.steps, "dropped": b.dropped, "b_crit_at_other_targets": b.checks,
+                     "steps_to_target": b.steps, "dropped": b.dropped,
+                     "no_progress": list(b.no_progress), "b_crit_at_other_targets": b.checks,
                      "note": b.note,
                      "curves": [dataclasses.asdict(c) for c in a.curves]},
         "checkpoint": {"source": a.source, **a.checkpoint}, "device": a.device, "precision": a.precision,
@@ -156,9 +157,9 @@ def _bcrit_cell(b: BranchFit) -> str:
     if b.b_crit is None:
         return f"not measured ({b.note})"
     if b.b_crit == 0:
-        return f"below {min(b.mean_gain)} (steps did not fall with B)"
+        return f"below {min(b.fitted_batches)} (steps did not fall with B)"
     if b.b_crit == math.inf:
-        return f"above {max(b.mean_gain)} (steps fell as 1/B)"
+        return f"above {max(b.fitted_batches)} (steps fell as 1/B)"
     return f"**{b.b_crit:.3g}**"
 
 
@@ -231,7 +232,7 @@ def markdown(a: Advice, figure: Path) -> str:
               f"{plan.val_draws} draws per validation subject, each validation placed at the mean sample "
               f"position of the EMA's weights (the checkpoint's EMA sits at {plan.ema_position:.0f}): its lag, the same "
               "in samples at every batch, drops out, and so does the raw iterate's gradient noise, larger at small "
-              f"batches. {_refit_sentence(plan)} Target: the val loss {_num(b.target_loss, '.5g')} (the checkpoint's EMA: {b.start_loss:.5g}), "
+              f"batches. {_moment_sentence(plan)} Target: the val loss {_num(b.target_loss, '.5g')} (the checkpoint's EMA: {b.start_loss:.5g}), "
               "80 % of the way from the largest batch's level once its EMA forgot the checkpoint's "
               f"(after {plan.usable_from:g} samples) to its end level; the position where each "
               "branch crosses it, read between validations, / B = its steps, fitted with S = S_min(1 + B_crit/B) "
@@ -243,7 +244,8 @@ def markdown(a: Advice, figure: Path) -> str:
     per_sample, per_step, trained = _gain_rates(a, False), _gain_rates(a, True), _samples_per_batch(a)
     for batch in plan.batches:
         mu = plan.micro[batch]
-        steps = ", ".join(f"{s:.1f}" for s in b.steps.get(batch, [])) or "not reached"
+        steps = ("no progress: left out of the fit" if batch in b.no_progress
+                 else ", ".join(f"{s:.1f}" for s in b.steps.get(batch, [])) or "not reached")
         lines.append(f"| {batch} | {mu} × {batch // mu} | {_num(trained.get(batch), '.0f')} | "
                      f"{_num(b.mean_gain.get(batch), '.3g')} ± {_num(b.gain_spread.get(batch), '.2g')} "
                      f"| {_num(None if batch not in per_sample else 1000 * per_sample[batch], '.3g')} "
