@@ -26,7 +26,7 @@ import yaml
 from click.testing import CliRunner
 
 from conftest import TINY, raw_params, write_tiny_cache
-from voxdiff.advise import fit
+from voxdiff.advise import fit, measure, report
 from voxdiff.training import trainer as trainer_mod
 
 C = 0.5                 # w = C everywhere at the checkpoint: B_noise = 1 / C^2
@@ -278,20 +278,67 @@ def test_a_largest_batch_that_makes_no_progress_is_reported_and_left_out_of_the_
     batch 16 did on the demo's checkpoint): with B = 16 named as making no progress, the target comes from
     B = 8 and the fit recovers B_crit = 3, while B = 16's gain stays in the report; without (the control) the
     rising batch sets no target and nothing is fitted."""
-    at = (0, 8, 16, 32, 64, 96, 128)
-
-    def curve(batch, seed, scale=1.0):
-        rate = 0.001 * scale * batch / (batch + 3.0)
-        return fit.BranchCurve(batch, seed, 1, at, tuple(1.0 - rate * s / batch for s in at))
-
-    rising = [fit.BranchCurve(16, s, 8, at, tuple(1.0 + 0.0002 * e for e in at)) for s in (0, 1, 2)]
-    curves = rising + [curve(b, s, 1 + 0.01 * s) for b in (1, 2, 4, 8) for s in (0, 1, 2)]
+    curves = [stalled_curve(16, s) for s in (0, 1, 2)] + [law_curve(b, s) for b in (1, 2, 4, 8) for s in (0, 1, 2)]
     got = fit.fit_branches(curves, n_boot=200, no_progress=[16])
     assert got.b_crit == pytest.approx(3.0, rel=0.02) and got.lo <= 3.0 <= got.hi
-    assert 16 not in got.steps and got.mean_gain[16] == pytest.approx(-0.0002 * (128 - 8), rel=1e-6)  # first usable (8) to the end
-    assert got.no_progress == (16,) and got.fitted_batches == [1, 2, 4, 8] and "B = 16 lowered nothing" in got.note and "fitted over B = 1, 2, 4, 8" in got.note
+    # B = 16's gain, from its first usable validation (8 samples) to its end, stays in the report
+    assert 16 not in got.steps and got.mean_gain[16] == pytest.approx(-0.0002 * (128 - 8), rel=1e-6)
+    assert got.no_progress == (16,) and got.fitted_batches == [1, 2, 4, 8]
+    assert "B = 16 lowered nothing" in got.note and got.note.endswith("the target set by B = 8")
     control = fit.fit_branches(curves, n_boot=50)
     assert control.b_crit is None and "B = 16 did not lower the val loss" in control.note
+
+
+def law_curve(batch, seed, b_crit=3.0, at=(0, 8, 16, 32, 64, 96, 128)):
+    """A branch on the law S = S_min (1 + B_crit / B): a constant loss drop per step of g B / (B + B_crit)."""
+    rate = 0.001 * (1 + 0.01 * seed) * batch / (batch + b_crit)
+    return fit.BranchCurve(batch, seed, 1, at, tuple(1.0 - rate * s / batch for s in at))
+
+
+def stalled_curve(batch, seed, at=(0, 8, 16, 32, 64, 96, 128)):
+    return fit.BranchCurve(batch, seed, 1, at, tuple(1.0 + 0.0002 * e for e in at))
+
+
+@pytest.mark.parametrize("batches, stalled, ran, no_progress, target_from", [
+    ((2, 4, 8, 16), {16}, [16, 8, 4, 2], [16], 8),      # the demo's case: batch 8 sets the target
+    ((2, 4, 8, 16), {16, 8}, [16, 8], [16, 8], None),   # only two batches below 8 would be left: stop
+    ((2, 4, 8, 16), set(), [16, 8, 4, 2], [], 16),      # no fallback needed
+    ((2, 4, 8), {8}, [8], [8], None),                   # three batches: none falls back
+    ((1, 2, 4, 8, 16), {16, 8}, [16, 8, 4, 2, 1], [16, 8], 4),
+])
+def test_branch_order_falls_back_from_a_batch_that_lowers_nothing(batches, stalled, ran, no_progress, target_from):
+    """measure.time_batches with synthetic branches: each batch that lowers nothing is named, the next batch
+    down sets the target only with at least two batches below it, every batch after it is timed to that
+    target, and the fit over the rest recovers B_crit = 3 (through advise.json's no_progress and the table)."""
+    calls = []
+
+    def run_batch(b, target):
+        calls.append((b, target))
+        make = stalled_curve if b in stalled else law_curve
+        return measure.BranchRun([make(b, s) for s in (0, 1, 2)], None, 7, [])
+
+    run = measure.time_batches(batches, run_batch, usable_from=0.0)
+    assert [b for b, _ in calls] == ran and run.no_progress == no_progress and run.validations == 7 * len(ran)
+    if target_from is None:
+        assert run.target is None and all(t is None for _, t in calls)
+        got = fit.fit_branches(run.curves, n_boot=50, no_progress=run.no_progress)
+        assert got.b_crit is None and "lowered nothing" in got.note and "--budget-samples" in got.note
+        return
+    assert run.target == fit.branch_target([c for c in run.curves if c.batch == target_from])
+    assert all(t is None for b, t in calls if b >= target_from)
+    assert all(t == run.target for b, t in calls if b < target_from)
+    got = fit.fit_branches(run.curves, n_boot=200, no_progress=run.no_progress)
+    assert got.b_crit == pytest.approx(3.0, rel=0.02) and max(got.fitted_batches) == target_from
+    assert not set(got.steps) & set(no_progress)
+
+
+def test_an_unresolved_fit_is_bounded_by_the_batches_fitted_not_the_stalled_one():
+    """Steps that fall as 1/B over B = 1-8 (B_crit above them) with B = 16 stalled: the bound reads 'above 8'."""
+    curves = [stalled_curve(16, s) for s in (0, 1)]
+    curves += [law_curve(b, s, b_crit=1e9) for b in (1, 2, 4, 8) for s in (0, 1)]
+    got = fit.fit_branches(curves, n_boot=50, no_progress=[16])
+    assert got.b_crit == math.inf and report._bound(got) == {"above": 8} and "above 8" in report._bcrit_cell(got)
+    assert "B_crit above 8" in got.note
 
 
 # --- the command: outputs, MLflow, bad input ------------------------------------------------------------------

@@ -271,8 +271,8 @@ def _sentence(verdict, branch, cost, one, best, worth, uninformative: bool = Fal
     bc = verdict.law.b_crit if verdict.law else None
     loose = "" if verdict.trusted != "branches" or branch.reliable else f", not resolved: {branch.lo:.2g}-{branch.hi:.2g}"
     where = (f"B_crit ≈ {bc:.2g} ({verdict.trusted}{loose})" if bc not in (None, 0.0, float('inf'))
-             else "B_crit is below the smallest batch tested" if bc == 0.0
-             else "B_crit is above the largest batch tested" if bc is not None else "B_crit unknown")
+             else "B_crit is below the smallest batch fitted" if bc == 0.0
+             else "B_crit is above the largest batch fitted" if bc is not None else "B_crit unknown")
     one_txt = (f"on one device use micro-batch {one.setting.micro} with accumulate_every 1, the fastest to the same "
                "progress: accumulation adds samples, never speed")
     head = f"At this point of training {where}: {cost.sentence}; {one_txt}"

@@ -258,12 +258,21 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
     batches = sorted({c.batch for c in curves})
     empty = dict(b_crit=None, lo=None, hi=None, level=level, law=None, start_loss=start, target_loss=None,
                  mean_gain=mean_gain, gain_spread=spread, steps={}, dropped=[], checks={}, no_progress=tuple(stalled))
+    notes = []
+    if stalled:
+        notes.append(f"B = {', '.join(map(str, stalled))} lowered nothing over its whole branch (gain "
+                     f"{', '.join(f'{mean_gain[s]:+.3g}' for s in stalled)}): no progress at this lr from this "
+                     "checkpoint (past the largest batch it trains stably at, or at its noise floor); left out of "
+                     "the target and the fit")
     target = branch_target(curves, usable_from=usable_from)
     if len(batches) < 2 or target is None:
         big = max(batches) if batches else None
-        return BranchFit(**empty, note=(f"the branches at B = {big} did not lower the val loss "
-                                        f"({mean_gain.get(big, 0):+.3g}): no target; raise --budget-samples"
-                                        if big is not None else "no branches"))
+        if big is not None:
+            notes.append(f"the branches at B = {big} did not lower the val loss ({mean_gain.get(big, 0):+.3g}): "
+                         "no target; raise --budget-samples")
+        elif stalled:
+            notes.append("no batch set a target; raise --budget-samples")
+        return BranchFit(**empty, note="; ".join(notes) or "no branches")
     steps, dropped = _steps_at(curves, target, usable_from)
     fit = _fit_steps(steps)
     checks = {}
@@ -273,18 +282,14 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
     early = [f"B={c.batch} seed {c.seed}" for c in curves if crossing(c, target, usable_from)[1]]
     if fit is None:
         return BranchFit(**{**empty, "target_loss": target, "steps": steps, "dropped": dropped, "checks": checks},
-                         note="fewer than two batch sizes reached the target")
+                         note="; ".join(notes + ["fewer than two batch sizes reached the target"]))
     lo, hi = jitter_bootstrap(curves, n_boot // 4, level, usable_from=usable_from)
     seeds = bootstrap_critical_batch(steps, n_boot=n_boot, seed=0, level=level)
     law = Law(fit.s_min, fit.e_min) if fit.resolved else Law.from_b_crit(fit.b_crit, "branches")
     big = max(batches)
     noise = float(np.mean([trend(c)[1] for c in curves if c.batch == big]))
-    notes = []
     if stalled:
-        notes.append(f"B = {', '.join(map(str, stalled))} lowered nothing over the largest batch's whole branch "
-                     f"(gain {', '.join(f'{mean_gain[s]:+.3g}' for s in stalled)}): no progress at this lr from this "
-                     f"checkpoint (past the largest batch it trains stably at, or at its noise floor); fitted over "
-                     f"B = {', '.join(map(str, batches))}, the target set by B = {big}")
+        notes[0] += f"; the target set by B = {big}"
     if not (0 < lo and hi < math.inf and hi / lo <= WIDE):
         notes.append(f"not resolved at this budget: the interval spans {lo:.3g}-{hi:.3g}; the val loss moves by "
                      f"±{noise:.2g} between validations against a gain of {mean_gain[big]:.2g} at B = {big}: more "
@@ -294,8 +299,8 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
                      "timed at the samples trained, an upper bound on their steps (a larger --budget-samples sets a "
                      "deeper target)")
     if not fit.resolved:
-        notes.append("steps did not fall with B over the batches tested (B_crit below the smallest)" if fit.b_crit == 0
-                     else "steps fell as 1/B over every batch tested (B_crit above the largest)")
+        notes.append(f"steps did not fall with B over the batches fitted (B_crit below {min(batches)})"
+                     if fit.b_crit == 0 else f"steps fell as 1/B over every batch fitted (B_crit above {big})")
     return BranchFit(fit.b_crit, lo, hi, level, law, start, target, mean_gain, spread, steps, dropped,
                      checks, early, "; ".join(notes), (seeds.lo, seeds.hi), noise, tuple(stalled))
 
@@ -343,10 +348,10 @@ def _reconcile(branch: BranchFit, b_noise: float | None, b_noise_lo: float | Non
             agrees = b_noise <= DISAGREEMENT * bound if bc == 0 else b_noise >= bound / DISAGREEMENT
             if agrees:
                 return Verdict(branch.law, "branches", None,
-                               f"the branches put B_crit {side} the batches tested ({side} {bound}) and the noise "
+                               f"the branches put B_crit {side} the batches fitted ({side} {bound}) and the noise "
                                f"scale ({b_noise:.3g}) agrees within {DISAGREEMENT:g}x")
             return Verdict(branch.law, "branches", None,
-                           f"the branches put B_crit {side} the batches tested ({side} {bound}) but the noise scale "
+                           f"the branches put B_crit {side} the batches fitted ({side} {bound}) but the noise scale "
                            f"reads {b_noise:.3g}: they disagree by more than {DISAGREEMENT:g}x, and advise trusts the "
                            "branches (the noise-scale theory assumes SGD at a tuned lr; Adam, L1 and clipping break it)")
         ratio = b_noise / bc

@@ -381,7 +381,7 @@ class BranchRun:
     target: float | None
     validations: int
     notes: list
-    no_progress: list = dataclasses.field(default_factory=list)
+    no_progress: list = dataclasses.field(default_factory=list)  # batches that lowered nothing, largest first
 
     @property
     def samples(self) -> int:
@@ -436,10 +436,10 @@ def _branch(session: Session, plan: BranchPlan, b: int, seed: int, first: float,
 
 
 def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> BranchRun:
-    """The largest batch first, every seed, its whole budget: the mean gain it makes sets the target
-    (fit.branch_target); then each smaller batch, every seed, until its EMA is at or below the target at two
-    validations in a row (or the same budget). Within a seed every batch consumes the same global sample
-    indices, so the draws (subject, timestep, noise) are the same samples at every batch.
+    """The branches, in time_batches' order: the largest batch first, every seed, its whole budget: the mean
+    gain it makes sets the target (fit.branch_target); then each smaller batch, every seed, until its EMA is at
+    or below the target at two validations in a row (or the same budget). Within a seed every batch consumes
+    the same global sample indices, so the draws (subject, timestep, noise) are the same samples at every batch.
 
     Why the EMA, read at its weights' mean position: the raw iterate's val loss carries the gradient noise of
     its last steps, larger at smaller B (on the demo's checkpoint it sat 12 % above the EMA's and jumped by up
@@ -451,14 +451,7 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
     ~1/(1 - beta2) steps of the trained batch's squared gradients; a branch of a few dozen steps keeps it,
     so at a larger batch Adam would divide a less noisy gradient by the smaller batch's v, a B-independence
     that is the checkpoint's memory, not this point's critical batch. Each branch's v is moved to its own
-    batch by the sampling noise's share (Trainer.move_adam_second_moment).
-    Why the next batch down sets the target when the largest lowers nothing: at the checkpoint's lr a large
-    batch can be past the batch it trains stably at (in the study, effective batch 8 spiked at 2x the lr; on
-    the demo's checkpoint batch 16's val loss rose by 0.014 in 24 steps), and one such batch would leave the
-    others untimed. It is reported as making no progress, and the fit keeps at least three batches (with
-    four: at most one falls back)."""
-    from voxdiff.advise.fit import branch_target
-
+    batch by the sampling noise's share (Trainer.move_adam_second_moment)."""
     progress.phase("branches: the checkpoint's EMA")
     tr = session.trainer(session.params_for(1, 1, 1, val_draws=plan.val_draws))
     first = tr.validation_loss()  # the same weights and draws at the start of every branch
@@ -468,21 +461,44 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
         moments = tr.gradient_moments(plan.adam_moment_samples)
         progress.tick(plan.adam_moment_samples)
     del tr
-    run = BranchRun([], None, 1, [])
-    order = sorted(plan.batches, reverse=True)
+
+    def run_batch(b: int, target: float | None) -> BranchRun:
+        out = BranchRun([], None, 0, [])
+        for seed in plan.seeds:
+            curve, validations, note = _branch(session, plan, b, seed, first, target, moments, progress)
+            out.curves.append(curve)
+            out.validations += validations
+            out.notes += [note] if note else []
+        return out
+
+    run = time_batches(plan.batches, run_batch, plan.usable_from)
+    run.validations += 1  # the checkpoint's EMA
+    return run
+
+
+def time_batches(batches, run_batch, usable_from: float) -> BranchRun:
+    """The order of the branches: the largest batch untimed (its whole budget); the first whose gain sets a
+    target (fit.branch_target) times every smaller one. run_batch(b, target) -> BranchRun of batch b's seeds.
+
+    Why the next batch down sets the target when the largest lowers nothing: at the checkpoint's lr a large
+    batch can be past the batch it trains stably at (in the study, effective batch 8 spiked at 2x the lr; on
+    the demo's checkpoint batch 16's val loss rose by 0.014 in 24 steps), and one such batch would leave the
+    others untimed. Each batch that lowers nothing is named in no_progress; a batch sets the target only
+    with at least MIN_FIT_BATCHES - 1 batches below it, so the fit keeps at least MIN_FIT_BATCHES (of four,
+    one may fall back; of three or fewer, none)."""
+    from voxdiff.advise.fit import branch_target
+
+    run = BranchRun([], None, 0, [])
+    order = sorted(batches, reverse=True)
     for i, b in enumerate(order):
         if run.target is None and i > 0 and len(order) - i < MIN_FIT_BATCHES:
-            break  # no batch made a gain with enough batches below it to fit: nothing to time the others to
-        for seed in plan.seeds:
-            curve, validations, note = _branch(session, plan, b, seed, first, run.target, moments, progress)
-            run.curves.append(curve)
-            run.validations += validations
-            if note:
-                run.notes.append(note)
+            break  # no batch with enough batches below it made a gain: nothing to time the others to
+        got = run_batch(b, run.target)
+        run.curves += got.curves
+        run.validations += got.validations
+        run.notes += got.notes
         if run.target is None:
-            run.target = branch_target([c for c in run.curves if c.batch == b], usable_from=plan.usable_from)
+            run.target = branch_target(got.curves, usable_from=usable_from)
             if run.target is None:
                 run.no_progress.append(b)
-    if run.target is None:
-        run.no_progress = []  # nothing fitted: the fit names the largest batch's lack of gain
     return run

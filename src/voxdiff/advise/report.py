@@ -85,6 +85,11 @@ def _gain_rates(a: "Advice", per_step: bool) -> dict:
     return out
 
 
+def _target_batch(b: BranchFit):
+    """The batch whose branch set the target: the largest fitted one ('—' without a fit)."""
+    return max(b.fitted_batches) if b.fitted_batches and b.target_loss is not None else "—"
+
+
 def _bound(b: BranchFit) -> dict | None:
     """An unresolved branch fit as what it is, a bound: below the smallest batch tested or above the largest."""
     if b.b_crit == 0:
@@ -224,7 +229,8 @@ def markdown(a: Advice, figure: Path) -> str:
                   "state, the noise scale of the gradient Adam acts on (B_simple assumes plain SGD); reported beside "
                   "the plain one, not used for the advice."]
     lines += ["", "## c. Training branches from the checkpoint", "",
-              f"The branches at the largest batch train {plan.samples} samples from the checkpoint (global samples "
+              f"The branches at the largest batch (and at each next one down while none lowered the val loss) train "
+              f"{plan.samples} samples from the checkpoint (global samples "
               f"{plan.start} onwards: the same samples at every batch within a seed), the smaller batches until "
               f"their EMA is past the target at two validations in a row; lr {plan.lr:.3g} held constant (the lr in force "
               f"at the checkpoint; train.lr_scaling applied per batch), seeds {', '.join(map(str, plan.seeds))}, EMA "
@@ -233,7 +239,8 @@ def markdown(a: Advice, figure: Path) -> str:
               f"position of the EMA's weights (the checkpoint's EMA sits at {plan.ema_position:.0f}): its lag, the same "
               "in samples at every batch, drops out, and so does the raw iterate's gradient noise, larger at small "
               f"batches. {_moment_sentence(plan)} Target: the val loss {_num(b.target_loss, '.5g')} (the checkpoint's EMA: {b.start_loss:.5g}), "
-              "80 % of the way from the largest batch's level once its EMA forgot the checkpoint's "
+              f"80 % of the way from the level of the largest batch that made progress (B = {_target_batch(b)}) once "
+              "its EMA forgot the checkpoint's "
               f"(after {plan.usable_from:g} samples) to its end level; the position where each "
               "branch crosses it, read between validations, / B = its steps, fitted with S = S_min(1 + B_crit/B) "
               "(`voxdiff.convergence`); the interval by a bootstrap over seeds and over each curve's validations around "

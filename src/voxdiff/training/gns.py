@@ -358,12 +358,13 @@ ADAM_PREFIX = "gns_marginal_adam"
 MOMENT_STREAM = 0x5A17
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class GradientMoments:
     """Per-coordinate mean and mean square of n single-sample gradients (one tensor per parameter).
 
-    The per-coordinate noise and signal and their sums are computed once (cached): advise asks for them
-    for every branch batch, and each is a parameter-sized list."""
+    The per-coordinate noise and the sums of noise and signal are computed once (cached): advise asks for
+    them for every branch batch. The per-coordinate signal is not kept (one parameter-sized list fewer held
+    through the branches; only batch_second_moment needs it)."""
     mean: list
     mean_sq: list
     n: int
@@ -376,21 +377,25 @@ class GradientMoments:
 
         return [torch.clamp(sq - m * m, min=0.0) * (self.n / (self.n - 1)) for m, sq in zip(self.mean, self.mean_sq)]
 
-    @functools.cached_property
-    def signal(self) -> list:
-        """max(G^2, 0) per coordinate, G^2 = C - sigma^2 / n = (n C - A) / (n - 1): unbiased before the clamp
+    def _signal(self, mean, noise):
+        """max(G^2, 0) of one tensor, G^2 = C - sigma^2 / n = (n C - A) / (n - 1): unbiased before the clamp
         (a difference that can fall below 0)."""
         import torch
 
-        return [torch.clamp(m * m - v / self.n, min=0.0) for m, v in zip(self.mean, self.noise)]
+        return torch.clamp(mean * mean - noise / self.n, min=0.0)
+
+    @property
+    def signal(self) -> list:
+        """max(G^2, 0) per coordinate (see _signal)."""
+        return [self._signal(m, v) for m, v in zip(self.mean, self.noise)]
 
     @functools.cached_property
     def _totals(self) -> tuple[float, float]:
-        """(sum of signal, sum of noise) over all coordinates, in float64."""
+        """(sum of signal, sum of noise) over all coordinates, in float64, one tensor at a time."""
         import torch
 
-        return (float(sum(torch.sum(s, dtype=torch.float64) for s in self.signal)),
-                float(sum(torch.sum(v, dtype=torch.float64) for v in self.noise)))
+        signal = sum(torch.sum(self._signal(m, v), dtype=torch.float64) for m, v in zip(self.mean, self.noise))
+        return float(signal), float(sum(torch.sum(v, dtype=torch.float64) for v in self.noise))
 
     def batch_second_moment(self, batch: int, clip: float = 0.0) -> list:
         """E[(s_B g_B)^2] per coordinate, g_B the mean gradient of `batch` samples and s_B the clip's scale,
