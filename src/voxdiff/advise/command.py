@@ -365,7 +365,8 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
     c. short training branches from the checkpoint at effective batch b, 2b, 4b, 8b on the same samples,
        2 seeds or more, each with Adam's second moment moved to its own batch (the checkpoint's remembers
        ~1000 steps of the trained batch): the steps each needs to the same val-loss gain, fitted with
-       S = S_min (1 + B_crit / B), give a local B_crit with an interval that needs no noise-scale theory;
+       S = S_min (1 + B_crit / B), give a local B_crit with an interval that needs no noise-scale theory
+       (a largest batch that lowers nothing is reported, and the next batch down sets the target);
        when the noise scale disagrees by more than 2x, advise says so and trusts the branches;
     d. a table of micro-batch x accumulate_every x world size with memory, samples/s, samples and steps to
        the same progress relative to the best, and predicted minutes; the recommendation and why.
