@@ -174,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--advise-args", default="", help="extra `voxdiff advise` options, e.g. '--budget-samples 256'")
     ap.add_argument("--no-control", action="store_true",
                     help="skip the control: advise again with --adam-moment-samples 0 (the checkpoint's Adam v kept)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results file stem (default: benchmarks/advise_vs_study[_micro<N>]); .md and .json are written")
     a = ap.parse_args(argv)
     phases = [int(p) for p in a.phases.split(",")]
 
@@ -237,7 +239,7 @@ def main(argv=None) -> int:
                 "b_crit_branch": control["b_crit_branch"], "b_crit_branch_ci": control["b_crit_branch_ci"],
                 "ratio": ratio_cell(control["b_crit_branch"], ref)[0]}})
         del advice
-        write(result, out_path(a.micro))  # after every phase: an interrupted run keeps the phases it finished
+        write(result, a.out or out_path(a.micro))  # after every phase: an interrupted run keeps the phases it finished
     print(markdown(result))
     return 0
 
