@@ -447,7 +447,7 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
     (branch_ema_halflife), and its lag is removed by placing each validation at the weights' mean position.
     Why a target deep in the largest batch's branch: smaller batches reach it sooner, and it must still
     lie past the samples in which their EMA forgets the checkpoint (plan.usable_from).
-    Why Adam's second moment is rescaled per batch (plan.adam_moment_samples): the checkpoint's v averages
+    Why Adam's second moment is moved per batch (plan.adam_moment_samples): the checkpoint's v averages
     ~1/(1 - beta2) steps of the trained batch's squared gradients; a branch of a few dozen steps keeps it,
     so at a larger batch Adam would divide a less noisy gradient by the smaller batch's v, a B-independence
     that is the checkpoint's memory, not this point's critical batch. Each branch's v is moved to its own
