@@ -44,6 +44,11 @@ EPSILON = {"diffusion.prediction": "epsilon", "train.grad_clip": 0.0}
 # AVX2 cores), k 8 twice that; effective batch 4 is already past the measured B_crit (about 1).
 CAUSE_KS = (1, 4)
 LR_GRID = (5.0e-4, 2.0e-3)
+# Twice the equal-steps arm's steps at effective batch 1 and 4, whose 1536-step runs still fell by 2 % or more
+# in the last quarter on 2 of 3 seeds: does each settle by 3072 steps, and at the same level? At a constant
+# LR the first 1536 steps of each are the steps arm's run of the same seed (the draws are a function of the
+# global sample index), so the arm extends those runs. k 4 is 12,288 samples (about 30 minutes in bf16 with AMX).
+LONG_STEPS = 2 * STEPS
 
 
 def arms() -> list[tuple[str, dict]]:
@@ -53,7 +58,8 @@ def arms() -> list[tuple[str, dict]]:
     (the archived 1536-step k = 1 runs are its k = 1 arm), seed 0 of every k first, smallest k first
     (a run cut short by the end of a session is lost: the cheaper ones land first); then the arms that test the noise scale's miss and the
     regime: a pilot of med-ddpm's epsilon-prediction regime and its k 1 / 2 arm, clipping off, the L2 loss,
-    a cosine LR decay (each at effective batch 1 and 4), and an LR grid at effective batch 1 and 8."""
+    a cosine LR decay (each at effective batch 1 and 4), an LR grid at effective batch 1 and 8, and effective
+    batch 1 and 4 trained twice as long (do they settle?)."""
     out = []
     for seed in (0, 1, 2):
         for micro in (2, 1):
@@ -95,6 +101,10 @@ def arms() -> list[tuple[str, dict]]:
         for k in (1, 8):
             for lr in LR_GRID:
                 out.append(("steps-lr", {**micro1, "train.accumulate_every": k, "train.lr": lr, "seed": seed}))
+    for seed in (0, 1, 2):
+        for k in CAUSE_KS:
+            out.append(("steps-long", {**micro1, "train.max_steps": LONG_STEPS, "train.accumulate_every": k,
+                                       "seed": seed}))
     return out
 
 

@@ -13,6 +13,9 @@ voxdiff compare --runs $R --filter "$SAMPLES and params.\`train.batch_size\` = '
 # k = 1 runs above); grid.py names its runs.
 voxdiff compare --runs $R --filter "$(python docs/study/grid.py ids steps)" --out docs/study/report_steps.md \
   || echo "(no equal-steps runs archived yet)"
+# Effective batch 1 and 4 at twice the steps (3072): does each reach its plateau, and at the same level?
+voxdiff compare --runs $R --filter "$(python docs/study/grid.py ids steps-long)" --out docs/study/report_steps_long.md \
+  || echo "(no steps-long runs archived yet)"
 # The precision arm: micro-batch 1 x k 1 in fp32 against the same setting's bf16 runs.
 voxdiff compare --runs $R --group-by precision_resolved --filter "$(python docs/study/grid.py ids precision)" \
   --out docs/study/report_precision.md || echo "(no precision run archived yet)"
