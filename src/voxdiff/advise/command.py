@@ -33,6 +33,7 @@ class AdviseOptions:
     max_micro_batch: int = 64
     speed_steps: int = 2
     warmup_samples: int = 256
+    from_scratch: bool = False          # ignore models/checkpoint.pt: warm up from scratch
     out: Path = Path("reports/advise.md")
     log: bool = True
     progress: bool | None = None
@@ -42,7 +43,8 @@ class AdviseOptions:
                 "budget_samples": self.budget_samples or "auto", "branch_seeds": self.branch_seeds,
                 "branch_batches": ",".join(map(str, self.branch_batches)) or "auto", "val_draws": self.val_draws,
                 "probe_samples": self.probe_samples or "auto", "adam_moment_samples": self.adam_moment_samples,
-                "max_micro_batch": self.max_micro_batch, "warmup_samples": self.warmup_samples}
+                "max_micro_batch": self.max_micro_batch, "warmup_samples": self.warmup_samples,
+                "from_scratch": self.from_scratch}
 
 
 @dataclasses.dataclass
@@ -106,9 +108,14 @@ def check_inputs(opts: AdviseOptions) -> Inputs:
     out = _resolve_out(root, opts.out)
     cache = open_cache(root / "data" / "processed")
     given = opts.checkpoint is not None
+    if given and opts.from_scratch:
+        raise VoxdiffError("--from-scratch and --checkpoint exclude each other: advise either continues a "
+                           "checkpoint or warms up from scratch")
     path = Path(opts.checkpoint or DEFAULT_CHECKPOINT)
     path = path if path.is_absolute() else root / path
-    if path.exists() or given:
+    if opts.from_scratch:
+        state, source = None, f"a warm-up of {opts.warmup_samples} samples from scratch (--from-scratch)"
+    elif path.exists() or given:
         state = checkpoint.load(path)  # a missing or unreadable file: one line
         _check_compatible(state, params, cache, path)
         try:
@@ -212,8 +219,7 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
     from voxdiff.training.schedule import plan_budget
 
     t = inputs.params.train
-    branch = fit.fit_branches(m.branches.curves, level=t.gns_ci_level, usable_from=m.branch_plan.usable_from,
-                              no_progress=m.branches.no_progress)
+    branch = fit.fit_branches(m.branches.curves, level=t.gns_ci_level, usable_from=m.branch_plan.usable_from)
     verdict = fit.reconcile(branch, m.noise.marginal.value, m.noise.marginal.lo)
     current = fit.Setting(t.batch_size, t.accumulate_every, 1)
     horizon = plan_budget(t, 1).total_samples
@@ -270,7 +276,9 @@ def _sentence(verdict, branch, cost, one, best, worth, uninformative: bool = Fal
         return "nothing ran: no recommendation"
     bc = verdict.law.b_crit if verdict.law else None
     loose = "" if verdict.trusted != "branches" or branch.reliable else f", not resolved: {branch.lo:.2g}-{branch.hi:.2g}"
-    where = (f"B_crit ≈ {bc:.2g} ({verdict.trusted}{loose})" if bc not in (None, 0.0, float('inf'))
+    where = (f"the loss is at a plateau at this lr (no branch batch made measurable progress), and the noise "
+             f"scale puts B_crit ≈ {bc:.2g}" if branch.plateau and bc not in (None, 0.0, float('inf'))
+             else f"B_crit ≈ {bc:.2g} ({verdict.trusted}{loose})" if bc not in (None, 0.0, float('inf'))
              else "B_crit is below the smallest batch fitted" if bc == 0.0
              else "B_crit is above the largest batch fitted" if bc is not None else "B_crit unknown")
     one_txt = (f"on one device use micro-batch {one.setting.micro} with accumulate_every 1, the fastest to the same "
@@ -348,13 +356,17 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
               help="Largest micro-batch the memory/speed search tries.")
 @click.option("--warmup-samples", type=click.IntRange(1), default=256, show_default=True,
               help="Without a checkpoint: samples trained from scratch first.")
+@click.option("--from-scratch", is_flag=True,
+              help="Ignore models/checkpoint.pt and advise on a warm-up of --warmup-samples from scratch: for a "
+                   "training yet to run (early training, where the loss falls fastest), or when the checkpoint is at "
+                   "a plateau and the branches cannot measure B_crit there.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("reports/advise.md"),
               show_default=True, help="Markdown report; the .json and .png are written next to it.")
 @click.option("--no-log", is_flag=True, help="Do not log the advice to MLflow.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: only on a terminal).")
 def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, branch_seeds, branch_batches,
-                   val_draws, probe_samples, adam_moment_samples, max_micro_batch, warmup_samples, out, no_log,
-                   progress):
+                   val_draws, probe_samples, adam_moment_samples, max_micro_batch, warmup_samples, from_scratch, out,
+                   no_log, progress):
     """What accumulate_every (and micro-batch, and device count) costs or saves on your own model, at your
     own point in training, measured in a few minutes from a checkpoint, on the device training uses.
 
@@ -366,7 +378,10 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
        2 seeds or more, each with Adam's second moment moved to its own batch (the checkpoint's remembers
        ~1000 steps of the trained batch): the steps each needs to the same val-loss gain, fitted with
        S = S_min (1 + B_crit / B), give a local B_crit with an interval that needs no noise-scale theory
-       (a largest batch that lowers nothing is reported, and the next batch down sets the target);
+       (a largest batch that lowers nothing is reported, and the next batch down sets the target; when
+       no batch's gain beats the validations' jitter the checkpoint is at a plateau: B_crit is not
+       measurable there, advise says so and the table uses the noise scale: --from-scratch advises on
+       early training instead);
        when the noise scale disagrees by more than 2x, advise says so and trusts the branches;
     d. a table of micro-batch x accumulate_every x world size with memory, samples/s, samples and steps to
        the same progress relative to the best, and predicted minutes; the recommendation and why.
@@ -381,7 +396,8 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
                          branch_batches=_ints(branch_batches, "--branch-batches") if branch_batches else (),
                          val_draws=val_draws, probe_samples=probe_samples,
                          adam_moment_samples=adam_moment_samples, max_micro_batch=max_micro_batch,
-                         warmup_samples=warmup_samples, out=out, log=not no_log, progress=progress)
+                         warmup_samples=warmup_samples, from_scratch=from_scratch, out=out, log=not no_log,
+                         progress=progress)
     advice = run_advise(opts)
     click.echo(summary(advice))
 
@@ -390,7 +406,8 @@ def summary(a) -> str:
     """The terminal's lines: the two B_crit readings, the recommendation, where the files are."""
     b, m = a.branch, a.noise.marginal
     rec = a.recommended
-    lines = [f"critical batch (branches): {_fmt(b.b_crit)} ({b.level:.0%} interval {_fmt(b.lo)}–{_fmt(b.hi)})",
+    lines = ["critical batch (branches): not measurable, the checkpoint is at a plateau" if b.plateau else
+             f"critical batch (branches): {_fmt(b.b_crit)} ({b.level:.0%} interval {_fmt(b.lo)}–{_fmt(b.hi)})",
              f"noise scale B_simple:      {_fmt(m.value)} ({a.noise.level:.0%} interval {_fmt(m.lo)}–{_fmt(m.hi)})",
              a.verdict.sentence]
     if rec is not None:

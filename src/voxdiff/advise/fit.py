@@ -98,15 +98,27 @@ class BranchFit:
     seed_interval: tuple = (None, None)  # convergence.bootstrap_critical_batch over seeds alone
     jitter: float | None = None          # std of the largest batch's validations around their trend
     no_progress: tuple = ()              # larger batches that lowered nothing: reported, not fitted
+    plateau: bool = False                # the target's batch gained less than the jitter can make: not fitted
 
     @property
     def fitted_batches(self) -> list:
-        """The batches the fit ran over (every batch measured but those that made no progress)."""
+        """The batches the fit ran over (every batch measured but those that made no progress; at a plateau,
+        the batches that would have been fitted)."""
         return sorted(b for b in self.mean_gain if b not in self.no_progress)
 
     @property
     def resolved(self) -> bool:
         return self.b_crit is not None and 0.0 < self.b_crit < math.inf
+
+    @property
+    def status(self) -> str:
+        """'measured' (a value), 'bound' (below the smallest or above the largest batch fitted), 'plateau'
+        (no batch made progress the validations can tell from their jitter) or 'no target'."""
+        if self.plateau:
+            return "plateau"
+        if self.b_crit is None:
+            return "no target"
+        return "measured" if self.resolved else "bound"
 
     @property
     def reliable(self) -> bool:
@@ -239,40 +251,76 @@ def gain(c: BranchCurve, usable_from: float = 0.0) -> float:
     return first_usable(c, usable_from) - end_level(c)
 
 
+def target_and_stalled(curves: list[BranchCurve], fraction: float = TARGET_FRACTION,
+                       usable_from: float = 0.0) -> tuple[float | None, tuple[int, ...]]:
+    """The one verdict on which batches made progress (measure.time_batches while the branches run, and
+    fit_branches after): from the largest batch down, each whose branches lowered nothing in the mean over
+    seeds made no progress; the first that did sets the target (`branch_target`). (None, every batch) when
+    none did."""
+    stalled = []
+    for b in sorted({c.batch for c in curves}, reverse=True):
+        target = branch_target([c for c in curves if c.batch == b], fraction, usable_from)
+        if target is not None:
+            return target, tuple(stalled)
+        stalled.append(b)
+    return None, tuple(stalled)
+
+
+def gain_resolution(curves: list[BranchCurve], jitter: float, level: float) -> float:
+    """The smallest mean gain (`gain`, over these curves' seeds) that the validations' jitter cannot make:
+    z(level) x its standard error, with the jitter independent from one validation to the next (a gain is
+    one validation minus the mean of the last quarter's). Below it the branches cannot tell progress from
+    noise: the checkpoint is at a plateau at this lr (the study: B_crit 'not measurable' at its runs' plateau)."""
+    from statistics import NormalDist
+
+    if not curves or jitter <= 0:
+        return 0.0
+    tail = np.mean([max(1, (len(c.losses) - 1) // 4) for c in curves])
+    return NormalDist().inv_cdf(0.5 + level / 2) * jitter * math.sqrt((1 + 1 / tail) / len(curves))
+
+
 def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: float = 0.0,
-                 n_boot: int = BOOTSTRAP, no_progress: Sequence[int] = ()) -> BranchFit:
+                 n_boot: int = BOOTSTRAP) -> BranchFit:
     """Steps each branch took to the same val-loss target (`branch_target`) -> fit S = S_min (1 + B_crit / B)
     (convergence.fit_critical_batch), with an interval from `jitter_bootstrap` (the seed-only interval of
     convergence.bootstrap_critical_batch, narrower, is kept in `seed_interval`). The steps are where the
     branch's EMA crossed the target (`crossing`), read between validations, / B; a crossing within the first
-    `usable_from` samples is an upper bound, named in `early`. Batches in `no_progress` (larger batches whose
-    whole branch lowered nothing, measure.run_branches) keep their gains in the report and stay out of the
-    target and the fit: the law describes progress, and they made none."""
+    `usable_from` samples is an upper bound, named in `early`. Larger batches whose whole branch lowered
+    nothing (`target_and_stalled`) keep their gains in the report and stay out of the target and the fit: the
+    law describes progress, and they made none. When the batch that sets the target gained less than the
+    validations' jitter can make (`gain_resolution`), nothing is fitted: the checkpoint is at a plateau."""
     start = curves[0].losses[0] if curves else math.nan
-    batches = sorted({c.batch for c in curves})
-    gains = {b: [gain(c, usable_from) for c in curves if c.batch == b] for b in batches}
+    gains = {b: [gain(c, usable_from) for c in curves if c.batch == b] for b in sorted({c.batch for c in curves})}
     mean_gain = {b: float(np.mean(g)) for b, g in gains.items()}
     spread = {b: float(np.std(g, ddof=1)) if len(g) > 1 else math.nan for b, g in gains.items()}
-    stalled = sorted(b for b in set(no_progress) if b in mean_gain)
+    target, stalled = target_and_stalled(curves, usable_from=usable_from)
     curves = [c for c in curves if c.batch not in stalled]
     batches = sorted({c.batch for c in curves})
     empty = dict(b_crit=None, lo=None, hi=None, level=level, law=None, start_loss=start, target_loss=None,
-                 mean_gain=mean_gain, gain_spread=spread, steps={}, dropped=[], checks={}, no_progress=tuple(stalled))
-    notes = []
-    if stalled:
-        notes.append(f"B = {', '.join(map(str, stalled))} lowered nothing over its whole branch (gain "
-                     f"{', '.join(f'{mean_gain[s]:+.3g}' for s in stalled)}): no progress at this lr from this "
-                     "checkpoint (past the largest batch it trains stably at, or at its noise floor); left out of "
-                     "the target and the fit")
-    target = branch_target(curves, usable_from=usable_from)
-    if len(batches) < 2 or target is None:
-        big = max(batches) if batches else None
-        if big is not None:
-            notes.append(f"the branches at B = {big} did not lower the val loss ({mean_gain.get(big, 0):+.3g}): "
-                         "no target; raise --budget-samples")
-        elif stalled:
-            notes.append("no batch set a target; raise --budget-samples")
-        return BranchFit(**empty, note="; ".join(notes) or "no branches")
+                 mean_gain=mean_gain, gain_spread=spread, steps={}, dropped=[], checks={}, no_progress=stalled)
+    listed = ", ".join(f"{s} ({mean_gain[s]:+.3g})" for s in stalled)
+    if target is None:
+        return BranchFit(**empty, note=(f"B = {listed} lowered nothing over {'its' if len(stalled) == 1 else 'their'} "
+                                        "branch: no target; raise --budget-samples") if stalled else "no branches")
+    notes = [f"B = {listed} lowered nothing over its whole branch: no progress at this lr from this checkpoint "
+             "(past the largest batch it trains stably at, or at its noise floor); left out of the target and the "
+             f"fit; the target set by B = {max(batches)}"] if stalled else []
+    if len(batches) < 2:
+        return BranchFit(**{**empty, "target_loss": target},
+                         note="; ".join(notes + [f"only B = {batches[0]} made progress: fewer than two batch sizes "
+                                                 "to fit"]))
+    big = max(batches)
+    noise = float(np.mean([trend(c)[1] for c in curves if c.batch == big]))
+    needed = gain_resolution([c for c in curves if c.batch == big], noise, level)
+    if mean_gain[big] < needed:
+        return BranchFit(**{**empty, "target_loss": target, "jitter": noise, "plateau": True},
+                         note="; ".join(notes + [
+                             f"at a plateau: B = {big} gained {mean_gain[big]:.2g} over its branch, less than the "
+                             f"{needed:.2g} the validations' jitter (±{noise:.2g}) can make at {level:.0%}: no batch "
+                             "makes measurable progress from this checkpoint at this lr, so B_crit is not measurable "
+                             "here; from here accumulate_every changes the samples per step, not where the loss "
+                             "settles. For the critical batch of a training run, advise on a checkpoint from earlier "
+                             "in it (or --from-scratch)"]))
     steps, dropped = _steps_at(curves, target, usable_from)
     fit = _fit_steps(steps)
     checks = {}
@@ -281,16 +329,14 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
         checks[f] = None if other is None else other.b_crit
     early = [f"B={c.batch} seed {c.seed}" for c in curves if crossing(c, target, usable_from)[1]]
     if fit is None:
-        return BranchFit(**{**empty, "target_loss": target, "steps": steps, "dropped": dropped, "checks": checks},
+        return BranchFit(**{**empty, "target_loss": target, "steps": steps, "dropped": dropped, "checks": checks,
+                            "jitter": noise},
                          note="; ".join(notes + ["fewer than two batch sizes reached the target"]))
     lo, hi = jitter_bootstrap(curves, n_boot // 4, level, usable_from=usable_from)
     seeds = bootstrap_critical_batch(steps, n_boot=n_boot, seed=0, level=level)
     law = Law(fit.s_min, fit.e_min) if fit.resolved else Law.from_b_crit(fit.b_crit, "branches")
-    big = max(batches)
-    noise = float(np.mean([trend(c)[1] for c in curves if c.batch == big]))
-    if stalled:
-        notes[0] += f"; the target set by B = {big}"
-    if not (0 < lo and hi < math.inf and hi / lo <= WIDE):
+    firm = (fit.b_crit == 0 and hi == 0) or (fit.b_crit == math.inf and lo == math.inf)  # a bound every replicate keeps
+    if not firm and not (0 < lo and hi < math.inf and hi / lo <= WIDE):
         notes.append(f"not resolved at this budget: the interval spans {lo:.3g}-{hi:.3g}; the val loss moves by "
                      f"±{noise:.2g} between validations against a gain of {mean_gain[big]:.2g} at B = {big}: more "
                      "--budget-samples or --branch-seeds, or a checkpoint from earlier in training (faster progress)")
@@ -302,7 +348,7 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
         notes.append(f"steps did not fall with B over the batches fitted (B_crit below {min(batches)})"
                      if fit.b_crit == 0 else f"steps fell as 1/B over every batch fitted (B_crit above {big})")
     return BranchFit(fit.b_crit, lo, hi, level, law, start, target, mean_gain, spread, steps, dropped,
-                     checks, early, "; ".join(notes), (seeds.lo, seeds.hi), noise, tuple(stalled))
+                     checks, early, "; ".join(notes), (seeds.lo, seeds.hi), noise, stalled)
 
 
 # --- the two estimates side by side ---------------------------------------------------------------
@@ -363,6 +409,11 @@ def _reconcile(branch: BranchFit, b_noise: float | None, b_noise_lo: float | Non
                            "(the noise-scale theory assumes SGD at a tuned lr; Adam, L1 and clipping break it)")
         return Verdict(branch.law, "branches", ratio,
                        f"the noise scale ({b_noise:.3g}) agrees with the branches ({bc:.3g}) within {DISAGREEMENT:g}x")
+    if b_noise is not None and branch.plateau:
+        return Verdict(Law.from_b_crit(b_noise, "noise scale"), "noise scale", None,
+                       "no branch batch made progress the validations can tell from their jitter (the checkpoint is "
+                       "at a plateau at this lr: B_crit is not measurable here); the table uses the noise scale "
+                       f"B_noise ≈ {b_noise:.3g}, an approximation under Adam")
     if b_noise is not None:
         return Verdict(Law.from_b_crit(b_noise, "noise scale"), "noise scale", None,
                        f"the branches could not set a target ({branch.note}); the table uses the noise scale "

@@ -44,6 +44,12 @@ class Progress:
         if self.bar is not None:
             self.bar.update(n)
 
+    def extend(self, n: float) -> None:
+        """More work than the total foresaw (a batch that sets the target in place of one that stalled)."""
+        if self.bar is not None:
+            self.bar.total += round(n)
+            self.bar.refresh()
+
     def phase(self, text: str) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=True)
@@ -463,6 +469,10 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
     del tr
 
     def run_batch(b: int, target: float | None) -> BranchRun:
+        if target is None and b != max(plan.batches):
+            # it runs its whole budget where the progress bar's total (command._work_estimate) counted half
+            per_branch = plan.samples * (1 + plan.val_draws * len(session.cache.split_indices("val")) / 3 / plan.val_every)
+            progress.extend(0.5 * per_branch * len(plan.seeds))
         out = BranchRun([], None, 0, [])
         for seed in plan.seeds:
             curve, validations, note = _branch(session, plan, b, seed, first, target, moments, progress)
@@ -478,15 +488,15 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
 
 def time_batches(batches, run_batch, usable_from: float) -> BranchRun:
     """The order of the branches: the largest batch untimed (its whole budget); the first whose gain sets a
-    target (fit.branch_target) times every smaller one. run_batch(b, target) -> BranchRun of batch b's seeds.
+    target (fit.target_and_stalled, the verdict the fit reads too) times every smaller one.
+    run_batch(b, target) -> BranchRun of batch b's seeds.
 
     Why the next batch down sets the target when the largest lowers nothing: at the checkpoint's lr a large
     batch can be past the batch it trains stably at (in the study, effective batch 8 spiked at 2x the lr; on
     the demo's checkpoint batch 16's val loss rose by 0.014 in 24 steps), and one such batch would leave the
     others untimed. Each batch that lowers nothing is named in no_progress; a batch sets the target only
-    with at least MIN_FIT_BATCHES - 1 batches below it, so the fit keeps at least MIN_FIT_BATCHES (of four,
-    one may fall back; of three or fewer, none)."""
-    from voxdiff.advise.fit import branch_target
+    with at least MIN_FIT_BATCHES - 1 batches below it, so the fit keeps at least MIN_FIT_BATCHES."""
+    from voxdiff.advise.fit import target_and_stalled
 
     run = BranchRun([], None, 0, [])
     order = sorted(batches, reverse=True)
@@ -498,7 +508,6 @@ def time_batches(batches, run_batch, usable_from: float) -> BranchRun:
         run.validations += got.validations
         run.notes += got.notes
         if run.target is None:
-            run.target = branch_target(got.curves, usable_from=usable_from)
-            if run.target is None:
-                run.no_progress.append(b)
+            run.target, stalled = target_and_stalled(run.curves, usable_from=usable_from)
+            run.no_progress = list(stalled)
     return run

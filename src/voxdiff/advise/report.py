@@ -109,6 +109,8 @@ def as_json(a: Advice) -> dict:
         # b_crit_branch: 0 when steps did not fall with B (see b_crit_branch_bound), null for inf
         "b_crit_branch": b.b_crit, "b_crit_branch_ci": [b.lo, b.hi], "ci_level": b.level,
         "b_crit_branch_bound": _bound(b), "b_crit_branch_reliable": b.reliable,
+        # measured | bound | plateau (no measurable progress: null, not a number) | no target
+        "b_crit_branch_status": b.status,
         "b_crit_branch_ci_seeds_only": list(b.seed_interval), "branch_val_jitter": b.jitter,
         "b_noise": m.value, "b_noise_ci": [m.lo, m.hi],
         # the same probe in Adam's whitened coordinates, tr(P Sigma) / G^T P G: reported, not used
@@ -159,6 +161,8 @@ def _interval(lo, hi) -> str:
 
 
 def _bcrit_cell(b: BranchFit) -> str:
+    if b.plateau:
+        return "not measurable: the checkpoint is at a plateau (no batch's gain beats the validations' jitter; c.)"
     if b.b_crit is None:
         return f"not measured ({b.note})"
     if b.b_crit == 0:
@@ -181,8 +185,9 @@ def markdown(a: Advice, figure: Path) -> str:
         lines += [f"**Recommended: micro-batch {rec.setting.micro}, accumulate_every {rec.setting.accumulate}, "
                   f"world size {rec.setting.world}.** {a.sentence}", ""]
     lines += ["| | |", "|---|---|",
-              f"| critical batch, measured by the branches | {_bcrit_cell(b)} ({b.level:.0%} interval "
-              f"{_interval(b.lo, b.hi)}{'' if b.reliable else ': not resolved'}) |",
+              f"| critical batch, measured by the branches | {_bcrit_cell(b)}"
+              + ("" if b.plateau else f" ({b.level:.0%} interval {_interval(b.lo, b.hi)}"
+                 f"{'' if b.reliable else ': not resolved'})") + " |",
               f"| gradient noise scale B_simple (marginal over timesteps) | {_num(m.value, none='not resolved')} "
               f"({a.noise.level:.0%} interval {_interval(m.lo, m.hi)}) |",
               f"| which the table uses | {a.verdict.trusted} |", "", a.verdict.sentence[0].upper() + a.verdict.sentence[1:]
@@ -281,9 +286,11 @@ def figure(a: Advice, path: Path) -> None:
     ax = axes[0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, batch in enumerate(a.plan.batches):
+        stalled = batch in a.branch.no_progress  # drawn apart: left out of the target and the fit
         for c in (c for c in a.curves if c.batch == batch):
-            ax.plot(c.positions, c.losses, "o-", ms=3, lw=1, color=colors[i % len(colors)], alpha=0.8,
-                    label=f"B = {batch}" if c.seed == a.plan.seeds[0] else None)
+            ax.plot(c.positions, c.losses, "x--" if stalled else "o-", ms=3, lw=1, color=colors[i % len(colors)],
+                    alpha=0.5 if stalled else 0.8,
+                    label=(f"B = {batch}" + (" (no progress)" if stalled else "")) if c.seed == a.plan.seeds[0] else None)
     if a.branch.target_loss is not None:
         ax.axhline(a.branch.target_loss, color="k", lw=0.8, ls=":", label="target")
     ax.axvline(0, color="0.6", lw=0.8)
