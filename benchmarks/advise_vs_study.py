@@ -176,8 +176,13 @@ def main(argv=None) -> int:
                     help="skip the control: advise again with --adam-moment-samples 0 (the checkpoint's Adam v kept)")
     ap.add_argument("--out", type=Path, default=None,
                     help="results file stem (default: benchmarks/advise_vs_study[_micro<N>]); .md and .json are written")
+    ap.add_argument("--refit", type=Path, default=None, metavar="RESULTS_JSON",
+                    help="no training, no measurement: re-fit the branch curves that the run which wrote RESULTS_JSON "
+                         "left in benchmarks/.scratch with the current voxdiff.advise.fit (a change of the fit alone); "
+                         "timings and machine are that run's, and the report says so")
     a = ap.parse_args(argv)
     phases = [int(p) for p in a.phases.split(",")]
+    prior = json.loads(a.refit.read_text()) if a.refit else None
 
     raw = yaml.safe_load((harness.REPO / "params.yaml").read_text())
     raw = harness.with_overrides(raw, {"seed": a.seed, "train.batch_size": a.micro, "train.accumulate_every": 1,
@@ -189,8 +194,8 @@ def main(argv=None) -> int:
     params = work / "params.yaml"
     params.write_text(yaml.safe_dump(raw))
     t0 = time.time()
-    ckpts = train_phases(copy.deepcopy(raw), root, phases, work)
-    trained_s = time.time() - t0
+    ckpts = None if prior else train_phases(copy.deepcopy(raw), root, phases, work)
+    trained_s = prior["training_seconds"] if prior else time.time() - t0
 
     from voxdiff.advise.command import AdviseOptions, run_advise
 
@@ -206,22 +211,30 @@ def main(argv=None) -> int:
     design = (f"k = 1 from the 1536-sample runs, k = {', '.join(map(str, stepped))} from the 1536-step runs"
               if stepped else "the 1536-sample runs")
     result = {"study_design": design, "micro": a.micro, "seed": a.seed, "training_seconds": trained_s, "rows": rows, "window": WINDOW,
-              "machine": harness.machine(pick_device(raw["train"]["device"])), "precision": precision_of(ckpts)}
+              "machine": prior["machine"] if prior else harness.machine(pick_device(raw["train"]["device"])),
+              "precision": prior["precision"] if prior else precision_of(ckpts),
+              "refit_of": a.refit.name if prior else None}
     for p in phases:
         t1 = time.time()
-        opts = dict(root=root, params_path=params, checkpoint=ckpts[p], out=work / f"advise-{p}.md", log=False,
+        opts = dict(root=root, params_path=params, checkpoint=ckpts[p] if ckpts else None, out=work / f"advise-{p}.md", log=False,
                     progress=False, branch_batches=tuple(a.micro * f for f in (1, 2, 4, 8)))
         for key, value in zip(extra[::2], extra[1::2]):  # --budget-samples 256 -> budget_samples=256
             opts[key.lstrip("-").replace("-", "_")] = int(value)
         t1 = time.time()
-        advice = run_advise(AdviseOptions(**opts), echo=lambda s: print(s, file=sys.stderr))
-        advise_seconds = time.time() - t1
-        data = json.loads((work / f"advise-{p}.json").read_text())
-        control = None
-        if not a.no_control:
-            run_advise(AdviseOptions(**{**opts, "adam_moment_samples": 0, "out": work / f"advise-{p}-v-kept.md"}),
-                       echo=lambda s: print(s, file=sys.stderr))
-            control = json.loads((work / f"advise-{p}-v-kept.json").read_text())
+        kept = work / f"advise-{p}-v-kept.json"
+        if prior:
+            advise_seconds = next(r["advise_seconds"] for r in prior["rows"] if r["phase"] == p)
+            data = refit(json.loads((work / f"advise-{p}.json").read_text()))
+            control = refit(json.loads(kept.read_text())) if not a.no_control and kept.exists() else None
+        else:
+            run_advise(AdviseOptions(**opts), echo=lambda s: print(s, file=sys.stderr))
+            advise_seconds = time.time() - t1
+            data = json.loads((work / f"advise-{p}.json").read_text())
+            control = None
+            if not a.no_control:
+                run_advise(AdviseOptions(**{**opts, "adam_moment_samples": 0, "out": kept.with_suffix(".md")}),
+                           echo=lambda s: print(s, file=sys.stderr))
+                control = json.loads(kept.read_text())
         study = study_b_crit(runs, a.seed, p)
         replicate = study_b_crit(samples_runs, a.seed, p) if samples_runs is not runs else None
         basis = "local" if study["local"] else "deepest_common_target"
@@ -230,18 +243,36 @@ def main(argv=None) -> int:
         nr, nr_ok = ratio_cell(data["b_noise"], ref)
         ar, ar_ok = ratio_cell(data.get("b_noise_adam"), ref)
         rows.append({"phase": p, "study": study, "advise": {k: data.get(k) for k in (
-            "b_crit_branch", "b_crit_branch_ci", "b_noise", "b_noise_ci", "b_noise_adam", "b_noise_adam_ci", "trusted",
+            "b_crit_branch", "b_crit_branch_ci", "b_crit_branch_status", "b_noise", "b_noise_ci", "b_noise_adam",
+            "b_noise_adam_ci", "trusted",
             "agreement", "recommended_one_device", "cost")}, "study_basis": basis, "branch_over_study": br,
             "branch_within_2x": br_ok, "noise_over_study": nr, "noise_within_2x": nr_ok, "adam_over_study": ar,
             "adam_within_2x": ar_ok, "advise_seconds": advise_seconds,
             "study_equal_samples_runs": replicate,
             "control_v_kept": None if control is None else {
                 "b_crit_branch": control["b_crit_branch"], "b_crit_branch_ci": control["b_crit_branch_ci"],
+                "b_crit_branch_status": control.get("b_crit_branch_status"),
                 "ratio": ratio_cell(control["b_crit_branch"], ref)[0]}})
-        del advice
         write(result, a.out or out_path(a.micro))  # after every phase: an interrupted run keeps the phases it finished
     print(markdown(result))
     return 0
+
+
+def refit(data: dict) -> dict:
+    """An advise.json's branch verdict redone from its stored curves with the current fit (and the verdict
+    against its stored noise scale); everything measured stays as it was."""
+    from voxdiff.advise import fit
+
+    b = data["branches"]
+    curves = [fit.BranchCurve(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}) for c in b["curves"]]
+    got = fit.fit_branches(curves, level=data["ci_level"], usable_from=4 * b["ema_halflife"])
+    verdict = fit.reconcile(got, data["b_noise"], data["b_noise_ci"][0])
+
+    def finite(x):  # the JSON's null for inf
+        return None if x is None or x == math.inf else x
+
+    return {**data, "b_crit_branch": finite(got.b_crit), "b_crit_branch_ci": [finite(got.lo), finite(got.hi)],
+            "b_crit_branch_status": got.status, "trusted": verdict.trusted, "agreement": verdict.sentence}
 
 
 def write(result: dict, out: Path) -> None:
@@ -267,10 +298,16 @@ def _interval(ci) -> str:
     return f"({_n(ci[0])}–{_n(ci[1])})"
 
 
+def branch_cell(a: dict) -> str:
+    if a.get("b_crit_branch_status") == "plateau":
+        return "not measurable: at a plateau"
+    return f"{_n(a['b_crit_branch'])} {_interval(a['b_crit_branch_ci'])}"
+
+
 def control_cells(control: dict | None) -> str:
     if control is None:
         return "— | —"
-    return f"{_n(control['b_crit_branch'])} {_interval(control['b_crit_branch_ci'])} | {_n(control['ratio'], '.2f')}"
+    return f"{branch_cell(control)} | {_n(control['ratio'], '.2f')}"
 
 
 def study_design(result: dict) -> str:
@@ -283,6 +320,9 @@ def markdown(result: dict) -> str:
              f"Trained and advised in {result.get('precision', '?')} on {m.get('cpu', '?')} ({m.get('cores_logical', '?')} "
              f"cores{', native bf16' if m.get('native_bf16') else ', no native bf16' if 'native_bf16' in m else ''}); "
              f"training to the last phase took {result['training_seconds']:.0f} s. The study's runs trained in bf16.", "",
+             *([f"Re-fit: the branch curves measured by the run that wrote `{result['refit_of']}` (the same checkpoints "
+                "and timings), fitted again with the current `voxdiff.advise.fit`; nothing was measured again.", ""]
+               if result.get("refit_of") else []),
              "Study: local B_crit from the archived runs' optimizer steps across the window "
              f"[val loss × {WINDOW[0]}, × {WINDOW[1]}] at the val loss the k = 1 run had at the phase "
              "(90 % bootstrap interval over seeds), or, where fewer than 3 batch sizes get that low, the report's "
@@ -300,7 +340,7 @@ def markdown(result: dict) -> str:
         basis = ("local window" if r["study_basis"] == "local" else
                  f"deepest common target {loc.get('target', float('nan')):.4f} (local not measurable)")
         lines.append(f"| {r['phase']} | {s['val_loss']:.4f} | {_n(loc.get('b_crit'))} ({_n(loc.get('lo'))}–"
-                     f"{_n(loc.get('hi'))}) | {basis} | {_n(cum.get('b_crit'))} | {_n(a['b_crit_branch'])} {_interval(a['b_crit_branch_ci'])} | "
+                     f"{_n(loc.get('hi'))}) | {basis} | {_n(cum.get('b_crit'))} | {branch_cell(a)} | "
                      f"{_n(r['branch_over_study'], '.2f')} | {r['branch_within_2x']} | "
                      f"{_n(a['b_noise'])} | {_n(r['noise_over_study'], '.2f')} | {r['noise_within_2x']} | "
                      f"{_n(a.get('b_noise_adam'))} | {_n(r.get('adam_over_study'), '.2f')} | {r.get('adam_within_2x', '—')} | "
