@@ -348,6 +348,22 @@ def test_an_unresolved_fit_is_bounded_by_the_batches_fitted_not_the_stalled_one(
     assert got.status == "bound"
 
 
+def test_a_bound_that_every_replicate_keeps_is_a_bound_not_a_wide_interval():
+    """Steps that grow with B (a step at a larger batch makes less progress: the fit's B_crit is 0) in every
+    bootstrap replicate: B_crit below 1 with the interval [0, 0] is a firm bound, so neither the fit's note
+    nor the verdict calls it 'not resolved' or 'wide' (advise at the study's 512-sample checkpoint said
+    'wide (0-0)'). Control: the same fit with an interval that reaches inf is called wide."""
+    at = (0, 8, 16, 32, 64, 96, 128)
+    curves = [fit.BranchCurve(b, s, 1, at, tuple(1.0 - 0.001 * (1 + 0.01 * s) / (1 + 0.1 * b) * e / b for e in at))
+              for b in (1, 2, 4, 8) for s in (0, 1)]
+    got = fit.fit_branches(curves, n_boot=50)
+    assert got.b_crit == 0 and (got.lo, got.hi) == (0, 0) and got.firm_bound and got.status == "bound"
+    assert "not resolved" not in got.note and "B_crit below 1" in got.note
+    assert "wide" not in fit.reconcile(got, 0.5).sentence
+    loose = dataclasses.replace(got, hi=math.inf)
+    assert not loose.firm_bound and "wide (0-inf)" in fit.reconcile(loose, 0.5).sentence
+
+
 def jittered(curve, amplitude, seed):
     """The curve with validation jitter of this std added after its first point (the checkpoint's EMA)."""
     rng = np.random.default_rng(1000 * curve.batch + seed)

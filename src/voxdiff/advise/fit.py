@@ -121,6 +121,12 @@ class BranchFit:
         return "measured" if self.resolved else "bound"
 
     @property
+    def firm_bound(self) -> bool:
+        """B_crit below the smallest batch (or above the largest) in every bootstrap replicate: a bound, not
+        a wide interval."""
+        return (self.b_crit == 0 and self.hi == 0) or (self.b_crit == math.inf and self.lo == math.inf)
+
+    @property
     def reliable(self) -> bool:
         """Resolved, with a bounded interval at most WIDE x wide."""
         return (self.resolved and self.lo is not None and self.hi is not None and 0 < self.lo
@@ -335,7 +341,7 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
     lo, hi = jitter_bootstrap(curves, n_boot // 4, level, usable_from=usable_from)
     seeds = bootstrap_critical_batch(steps, n_boot=n_boot, seed=0, level=level)
     law = Law(fit.s_min, fit.e_min) if fit.resolved else Law.from_b_crit(fit.b_crit, "branches")
-    firm = (fit.b_crit == 0 and hi == 0) or (fit.b_crit == math.inf and lo == math.inf)  # a bound every replicate keeps
+    firm = (fit.b_crit == 0 and hi == 0) or (fit.b_crit == math.inf and lo == math.inf)  # BranchFit.firm_bound
     if not firm and not (0 < lo and hi < math.inf and hi / lo <= WIDE):
         notes.append(f"not resolved at this budget: the interval spans {lo:.3g}-{hi:.3g}; the val loss moves by "
                      f"±{noise:.2g} between validations against a gain of {mean_gain[big]:.2g} at B = {big}: more "
@@ -373,7 +379,7 @@ def reconcile(branch: BranchFit, b_noise: float | None, b_noise_lo: float | None
     the fallback (it is McCandlish's B_crit for SGD at a tuned lr, an approximation under Adam). A branch
     estimate whose interval is wide is still the one used, and the sentence says how wide."""
     v = _reconcile(branch, b_noise, b_noise_lo)
-    if v.trusted == "branches" and branch.lo is not None and not branch.reliable:
+    if v.trusted == "branches" and branch.lo is not None and not branch.reliable and not branch.firm_bound:
         hi = "inf" if branch.hi is None or branch.hi == math.inf else f"{branch.hi:.3g}"
         return dataclasses.replace(v, sentence=v.sentence + f"; but the branches' own interval is wide "
                                    f"({branch.lo:.3g}-{hi}): B_crit is not pinned down at this budget")
@@ -409,11 +415,14 @@ def _reconcile(branch: BranchFit, b_noise: float | None, b_noise_lo: float | Non
                            "(the noise-scale theory assumes SGD at a tuned lr; Adam, L1 and clipping break it)")
         return Verdict(branch.law, "branches", ratio,
                        f"the noise scale ({b_noise:.3g}) agrees with the branches ({bc:.3g}) within {DISAGREEMENT:g}x")
-    if b_noise is not None and branch.plateau:
+    plateau = ("no branch batch made progress the validations can tell from their jitter (the checkpoint is at a "
+               "plateau at this lr: B_crit is not measurable here)")
+    if branch.plateau:
+        if b_noise is None:
+            return Verdict(None, "none", None, f"{plateau}, and the noise scale is not resolved: the table shows "
+                                               "memory and speed only")
         return Verdict(Law.from_b_crit(b_noise, "noise scale"), "noise scale", None,
-                       "no branch batch made progress the validations can tell from their jitter (the checkpoint is "
-                       "at a plateau at this lr: B_crit is not measurable here); the table uses the noise scale "
-                       f"B_noise ≈ {b_noise:.3g}, an approximation under Adam")
+                       f"{plateau}; the table uses the noise scale B_noise ≈ {b_noise:.3g}, an approximation under Adam")
     if b_noise is not None:
         return Verdict(Law.from_b_crit(b_noise, "noise scale"), "noise scale", None,
                        f"the branches could not set a target ({branch.note}); the table uses the noise scale "
