@@ -183,16 +183,21 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     phases = [int(p) for p in a.phases.split(",")]
     prior = json.loads(a.refit.read_text()) if a.refit else None
+    if prior:  # the re-fitted run's micro-batch, seed and phases, and never over its own results
+        a.micro, a.seed, phases = prior["micro"], prior["seed"], [r["phase"] for r in prior["rows"]]
+        if (a.out or out_path(a.micro)).with_suffix(".json").resolve() == a.refit.resolve():
+            ap.error("--refit: give --out another stem than the results being re-fitted")
 
     raw = yaml.safe_load((harness.REPO / "params.yaml").read_text())
     raw = harness.with_overrides(raw, {"seed": a.seed, "train.batch_size": a.micro, "train.accumulate_every": 1,
                                        "train.max_samples": max(PHASES), "train.max_steps": 0,
                                        "train.phema_sigma_rels": []})
-    root = harness.data_root(raw)
     work = harness.SCRATCH / "advise_vs_study" / f"micro{a.micro}-seed{a.seed}"
+    root = None if prior else harness.data_root(raw)
     work.mkdir(parents=True, exist_ok=True)
     params = work / "params.yaml"
-    params.write_text(yaml.safe_dump(raw))
+    if not prior:
+        params.write_text(yaml.safe_dump(raw))
     t0 = time.time()
     ckpts = None if prior else train_phases(copy.deepcopy(raw), root, phases, work)
     trained_s = prior["training_seconds"] if prior else time.time() - t0
@@ -223,9 +228,11 @@ def main(argv=None) -> int:
         t1 = time.time()
         kept = work / f"advise-{p}-v-kept.json"
         if prior:
-            advise_seconds = next(r["advise_seconds"] for r in prior["rows"] if r["phase"] == p)
-            data = refit(json.loads((work / f"advise-{p}.json").read_text()))
-            control = refit(json.loads(kept.read_text())) if not a.no_control and kept.exists() else None
+            old = next(r for r in prior["rows"] if r["phase"] == p)
+            advise_seconds = old["advise_seconds"]
+            data = refit(json.loads((work / f"advise-{p}.json").read_text()), old["advise"]["b_noise"])
+            control = (refit(json.loads(kept.read_text()))
+                       if not a.no_control and old.get("control_v_kept") else None)
         else:
             run_advise(AdviseOptions(**opts), echo=lambda s: print(s, file=sys.stderr))
             advise_seconds = time.time() - t1
@@ -243,7 +250,7 @@ def main(argv=None) -> int:
         nr, nr_ok = ratio_cell(data["b_noise"], ref)
         ar, ar_ok = ratio_cell(data.get("b_noise_adam"), ref)
         rows.append({"phase": p, "study": study, "advise": {k: data.get(k) for k in (
-            "b_crit_branch", "b_crit_branch_ci", "b_crit_branch_status", "b_noise", "b_noise_ci", "b_noise_adam",
+            "b_crit_branch", "b_crit_branch_ci", "b_crit_branch_status", "b_crit_branch_bound", "b_noise", "b_noise_ci", "b_noise_adam",
             "b_noise_adam_ci", "trusted",
             "agreement", "recommended_one_device", "cost")}, "study_basis": basis, "branch_over_study": br,
             "branch_within_2x": br_ok, "noise_over_study": nr, "noise_within_2x": nr_ok, "adam_over_study": ar,
@@ -258,21 +265,27 @@ def main(argv=None) -> int:
     return 0
 
 
-def refit(data: dict) -> dict:
+def refit(data: dict, b_noise: float | None = None) -> dict:
     """An advise.json's branch verdict redone from its stored curves with the current fit (and the verdict
-    against its stored noise scale); everything measured stays as it was."""
-    from voxdiff.advise import fit
+    against its stored noise scale); everything measured stays as it was, and what followed from the old
+    verdict (the recommendation and its cost) is dropped. `b_noise`: the re-fitted run's noise scale for this
+    file, which must match (scratch may hold a later run's files)."""
+    from voxdiff.advise import fit, report
 
+    if b_noise is not None and b_noise != data["b_noise"]:
+        sys.exit(f"--refit: the scratch advise JSON (B_noise {data['b_noise']}) is not the re-fitted run's "
+                 f"({b_noise}): a later run overwrote it")
     b = data["branches"]
     curves = [fit.BranchCurve(**{k: tuple(v) if isinstance(v, list) else v for k, v in c.items()}) for c in b["curves"]]
-    got = fit.fit_branches(curves, level=data["ci_level"], usable_from=4 * b["ema_halflife"])
+    got = fit.fit_branches(curves, level=data["ci_level"], usable_from=4 * b["ema_halflife"], planned=b["batches"])
     verdict = fit.reconcile(got, data["b_noise"], data["b_noise_ci"][0])
 
     def finite(x):  # the JSON's null for inf
         return None if x is None or x == math.inf else x
 
     return {**data, "b_crit_branch": finite(got.b_crit), "b_crit_branch_ci": [finite(got.lo), finite(got.hi)],
-            "b_crit_branch_status": got.status, "trusted": verdict.trusted, "agreement": verdict.sentence}
+            "b_crit_branch_status": got.status, "b_crit_branch_bound": report._bound(got), "trusted": verdict.trusted,
+            "agreement": verdict.sentence, "recommended_one_device": None, "cost": None}
 
 
 def write(result: dict, out: Path) -> None:
@@ -299,8 +312,14 @@ def _interval(ci) -> str:
 
 
 def branch_cell(a: dict) -> str:
-    if a.get("b_crit_branch_status") == "plateau":
+    status, bound = a.get("b_crit_branch_status"), a.get("b_crit_branch_bound") or {}
+    if status == "plateau":
         return "not measurable: at a plateau"
+    if status in ("no target", "no fit"):
+        return status
+    if status == "bound" and bound:
+        side, batch = next(iter(bound.items()))
+        return f"{side} {batch} {_interval(a['b_crit_branch_ci'])}"
     return f"{_n(a['b_crit_branch'])} {_interval(a['b_crit_branch_ci'])}"
 
 

@@ -269,10 +269,13 @@ def test_fit_branches_reads_steps_between_validations():
     assert fit.samples_to_target([0, 10], [1.0, 0.9], 0.5) is None
     flat = [fit.BranchCurve(8, 0, 1, (0, 64), (1.0, 1.0))]
     none = fit.fit_branches(flat, n_boot=50)
-    assert none.b_crit is None and "B = 8 (+0) lowered nothing" in none.note and "--budget-samples" in none.note
-    assert none.status == "no target"
-    one = fit.fit_branches(flat + curves[:3], n_boot=50)  # B = 8 stalled, only B = 1 left: nothing to fit
-    assert one.b_crit is None and "only B = 1 made progress" in one.note and one.no_progress == (8,)
+    assert none.b_crit is None and "no measurable progress at B = 8 (gain +0" in none.note
+    assert "--budget-samples" in none.note and none.status == "plateau"
+    # B = 8 stalled over two batches: B = 1 has no batch below it to fit, so it may not set the target
+    two = fit.fit_branches(flat + curves[:3], n_boot=50)
+    assert two.status == "plateau" and two.no_progress == (8,)
+    one = fit.fit_branches(curves[:3], n_boot=50)  # one batch size measured: a target, nothing to fit
+    assert one.status == "no fit" and "only B = 1 was measured" in one.note
     assert fit.reconcile(none, None).trusted == "none"
     assert fit.reconcile(none, 5.0).law.b_crit == 5.0
 
@@ -288,7 +291,8 @@ def test_a_largest_batch_that_makes_no_progress_is_reported_and_left_out_of_the_
     # B = 16's gain, from its first usable validation (8 samples) to its end, stays in the report
     assert 16 not in got.steps and got.mean_gain[16] == pytest.approx(-0.0002 * (128 - 8), rel=1e-6)
     assert got.no_progress == (16,) and got.fitted_batches == [1, 2, 4, 8]
-    assert "B = 16 (-0.024) lowered nothing" in got.note and got.note.endswith("the target set by B = 8")
+    assert "B = 16 (gain -0.024, resolution " in got.note and "made no measurable progress" in got.note
+    assert got.note.endswith("the target set by B = 8")
     assert got.status == "measured"
     assert fit.branch_target(curves) is None  # the control: B = 16 as the target's batch sets none
 
@@ -325,14 +329,14 @@ def test_branch_order_falls_back_from_a_batch_that_lowers_nothing(batches, stall
     assert [b for b, _ in calls] == ran and run.no_progress == no_progress and run.validations == 7 * len(ran)
     if target_from is None:
         assert run.target is None and all(t is None for _, t in calls)
-        got = fit.fit_branches(run.curves, n_boot=50)
+        got = fit.fit_branches(run.curves, n_boot=50, planned=batches)
         assert list(got.no_progress) == no_progress  # the fit reads the same verdict as the branches' order
-        assert got.b_crit is None and "lowered nothing" in got.note and "--budget-samples" in got.note
+        assert got.status == "plateau" and "no measurable progress" in got.note and "--budget-samples" in got.note
         return
     assert run.target == fit.branch_target([c for c in run.curves if c.batch == target_from])
     assert all(t is None for b, t in calls if b >= target_from)
     assert all(t == run.target for b, t in calls if b < target_from)
-    got = fit.fit_branches(run.curves, n_boot=200)
+    got = fit.fit_branches(run.curves, n_boot=200, planned=batches)
     assert got.b_crit == pytest.approx(3.0, rel=0.02) and max(got.fitted_batches) == target_from
     assert list(got.no_progress) == no_progress
     assert not set(got.steps) & set(no_progress)
@@ -346,6 +350,80 @@ def test_an_unresolved_fit_is_bounded_by_the_batches_fitted_not_the_stalled_one(
     assert got.b_crit == math.inf and report._bound(got) == {"above": 8} and "above 8" in report._bcrit_cell(got)
     assert "B_crit above 8" in got.note
     assert got.status == "bound"
+
+
+def test_a_largest_batch_whose_gain_is_within_the_jitter_hands_the_target_down():
+    """B = 16 with a small positive gain (the law's curve shrunk 1000x) under validation jitter 0.002 is no
+    more progress than a negative one: it is named as making no measurable progress and B = 8 sets the
+    target, so the batches below are fitted (before, only a gain <= 0 handed the target down, and a gain
+    of +0.00001 set a target inside the noise). Control: B = 16 on the law's own curve sets the target."""
+    at = tuple(range(0, 136, 8))
+    law = [law_curve(b, s, at=at) for b in (1, 2, 4, 8, 16) for s in (0, 1)]
+    tiny16 = [dataclasses.replace(c, losses=tuple(1.0 + (x - 1.0) / 1000 for x in c.losses)) for c in law if c.batch == 16]
+    noisy = [jittered(c, 0.002, c.seed) for c in tiny16] + [c for c in law if c.batch < 16]
+    assert np.mean([fit.gain(c) for c in noisy if c.batch == 16]) > 0  # a gain, but within the jitter
+    target, stalled = fit.target_and_stalled(noisy)
+    assert stalled == (16,) and target == fit.branch_target([c for c in noisy if c.batch == 8])
+    got = fit.fit_branches(noisy, n_boot=50)
+    assert got.no_progress == (16,) and got.b_crit == pytest.approx(3.0, rel=0.05)
+    assert fit.target_and_stalled(law)[1] == ()
+
+
+def test_gain_resolution_edge_cases():
+    """No curves, no jitter, a NaN jitter: nothing to test against (0). Two seeds whose gains differ more than
+    the jitter model allows: the spread over seeds sets the resolution."""
+    c = law_curve(8, 0)
+    assert fit.gain_resolution([], 0.01, 0.9) == 0.0
+    assert fit.gain_resolution([c], None, 0.9) == 0.0 and fit.gain_resolution([c], math.nan, 0.9) == 0.0
+    assert fit.jitter_of([fit.BranchCurve(8, 0, 1, (0, 8, 16), (1.0, 0.9, 0.8))]) is None  # too few validations
+    apart = [c, dataclasses.replace(c, seed=1, losses=tuple(1.0 - 10 * (1.0 - x) for x in c.losses))]
+    spread = np.std([fit.gain(x) for x in apart], ddof=1)
+    assert fit.gain_resolution(apart, 1e-6, 0.9) == pytest.approx(1.6449 * spread / math.sqrt(2), rel=1e-3)
+
+
+def test_a_plateau_reads_as_one_in_every_output(tmp_path):
+    """The plateau verdict through as_json, the Markdown, the terminal summary and the figure: status
+    'plateau', b_crit_branch null (JSON without NaN), 'not measurable' in the table and the summary, every
+    branch batch 'not fitted' or 'no measurable progress', no interval printed for it, the table on the
+    noise scale. Control: the law's own curves read as a number in the same outputs."""
+    from voxdiff.advise import command
+
+    at = tuple(range(0, 136, 8))
+    law = [law_curve(b, s, at=at) for b in (1, 2, 4, 8) for s in (0, 1)]
+    flat = [jittered(dataclasses.replace(c, losses=tuple(1.0 + (x - 1.0) / 1000 for x in c.losses)), 0.002, c.seed)
+            for c in law]
+
+    def advice(curves):
+        noise = measure.NoiseReading(measure.Estimate(0.3, 0.1, 0.6), [((0, 500), measure.Estimate(0.2, 0.1, 0.5))],
+                                     32, 0.9)
+        plan = measure.BranchPlan((1, 2, 4, 8), (0, 1), 128, 0, 8, {1: 1, 2: 1, 4: 1, 8: 1}, 1e-3, 8, 4.0, -2.0)
+        branch = fit.fit_branches(curves, n_boot=50)
+        verdict = fit.reconcile(branch, 0.3, 0.1)
+        speed = [fit.SpeedRow(1, 10.0, 100.0), fit.SpeedRow(2, 16.0, 150.0)]
+        current = fit.Setting(1, 2, 1)
+        table = fit.candidates(verdict.law, speed, (1, 2), (1, 2), current, 600)
+        one, best = fit.recommend(table, world=1), fit.recommend(table)
+        cost = fit.current_cost(verdict.law, table, current, one, (0.1, 0.6))
+        return report.Advice("a test", {"samples_seen": 100, "step": 50}, "cpu", "fp32", current, 600, speed, noise,
+                             plan, curves, branch, verdict, table, best, one, 1, cost,
+                             command._sentence(verdict, branch, cost, one, best, 1), {"branches": 1.0}, 100, 10, [])
+
+    a = advice(flat)
+    data = json.loads(json.dumps(report.as_json(a), allow_nan=False))
+    assert data["b_crit_branch_status"] == "plateau" and data["b_crit_branch"] is None
+    assert data["trusted"] == "noise scale" and data["b_crit_used"] == 0.3 and data["recommended"]
+    md = report.markdown(a, tmp_path / "advise.png")
+    row = next(line for line in md.splitlines() if line.startswith("| critical batch, measured by the branches"))
+    assert "not measurable" in row and "interval" not in row
+    assert md.count("not fitted (plateau)") + md.count("no measurable progress: left out") == 4
+    lines = command.summary(dataclasses.replace(a, files=[tmp_path / "advise.md"])).splitlines()
+    assert lines[0].endswith("not measurable, the checkpoint is at a plateau") and "plateau" in a.sentence
+    report.figure(a, tmp_path / "advise.png")
+    assert (tmp_path / "advise.png").stat().st_size > 0
+    control = advice(law)
+    assert report.as_json(control)["b_crit_branch_status"] == "measured"
+    assert command.summary(dataclasses.replace(control, files=[tmp_path / "x.md"])).splitlines()[0].startswith(
+        "critical batch (branches): 3")
 
 
 def test_a_bound_that_every_replicate_keeps_is_a_bound_not_a_wide_interval():

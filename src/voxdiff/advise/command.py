@@ -194,7 +194,7 @@ def measure_all(opts: AdviseOptions, inputs: Inputs, plan: Plan, rt, echo) -> Me
     try:
         state = inputs.state
         if state is None:
-            progress.phase(f"no checkpoint: warm-up of {opts.warmup_samples} samples")
+            progress.phase(f"warm-up of {opts.warmup_samples} samples from scratch")
             state = measure.warm_up_state(inputs.params, inputs.root, rt, inputs.cache, opts.warmup_samples,
                                           progress)
             lap("warm-up")
@@ -219,7 +219,8 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
     from voxdiff.training.schedule import plan_budget
 
     t = inputs.params.train
-    branch = fit.fit_branches(m.branches.curves, level=t.gns_ci_level, usable_from=m.branch_plan.usable_from)
+    branch = fit.fit_branches(m.branches.curves, level=t.gns_ci_level, usable_from=m.branch_plan.usable_from,
+                              planned=m.branch_plan.batches)
     verdict = fit.reconcile(branch, m.noise.marginal.value, m.noise.marginal.lo)
     current = fit.Setting(t.batch_size, t.accumulate_every, 1)
     horizon = plan_budget(t, 1).total_samples
@@ -280,7 +281,9 @@ def _sentence(verdict, branch, cost, one, best, worth, uninformative: bool = Fal
              f"scale puts B_crit ≈ {bc:.2g}" if branch.plateau and bc not in (None, 0.0, float('inf'))
              else f"B_crit ≈ {bc:.2g} ({verdict.trusted}{loose})" if bc not in (None, 0.0, float('inf'))
              else "B_crit is below the smallest batch fitted" if bc == 0.0
-             else "B_crit is above the largest batch fitted" if bc is not None else "B_crit unknown")
+             else "B_crit is above the largest batch fitted" if bc is not None
+             else "the loss is at a plateau at this lr (no branch batch made measurable progress) and the noise "
+                  "scale is not resolved: B_crit unknown" if branch.plateau else "B_crit unknown")
     one_txt = (f"on one device use micro-batch {one.setting.micro} with accumulate_every 1, the fastest to the same "
                "progress: accumulation adds samples, never speed")
     head = f"At this point of training {where}: {cost.sentence}; {one_txt}"

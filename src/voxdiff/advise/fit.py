@@ -22,6 +22,7 @@ TARGET_FRACTION = 0.8   # the target gain: this share of the largest batch's mea
 CHECK_FRACTIONS = (0.5, 0.65)  # the same fit at shallower targets (every branch passed them): a robustness check
 DISAGREEMENT = 2.0      # branches and noise scale disagree when their ratio is beyond this (either way)
 WIDE = 10.0             # a branch interval wider than this ratio (hi / lo) does not resolve B_crit
+MIN_FIT_BATCHES = 3     # a batch below the largest sets the target only with this many - 1 batches below it
 DEVICE_TIME_SLACK = 2.0  # the recommendation may spend at most this times the least device-time
 BOOTSTRAP = 2000
 
@@ -78,9 +79,16 @@ def samples_to_target(positions: Sequence[float], losses: Sequence[float], targe
     return None
 
 
+def firm_bound(b_crit: float | None, hi: float | None) -> bool:
+    """B_crit 0 with the interval's upper end at 0: below the smallest batch in at least (1 + level) / 2 of
+    the bootstrap replicates, a bound rather than a wide interval. (Not mirrored at inf: jitter_bootstrap
+    counts a replicate that fits nothing as inf, so a lower end at inf may be failures, not a bound.)"""
+    return b_crit == 0 and hi == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class BranchFit:
-    """The local B_crit read from the branches. b_crit None: no target could be set (see note)."""
+    """The local B_crit read from the branches. b_crit None: nothing fitted (`status` and note say why)."""
     b_crit: float | None
     lo: float | None
     hi: float | None
@@ -96,9 +104,9 @@ class BranchFit:
     early: list = dataclasses.field(default_factory=list)  # branches that crossed while the EMA still held the checkpoint
     note: str = ""
     seed_interval: tuple = (None, None)  # convergence.bootstrap_critical_batch over seeds alone
-    jitter: float | None = None          # std of the largest batch's validations around their trend
-    no_progress: tuple = ()              # larger batches that lowered nothing: reported, not fitted
-    plateau: bool = False                # the target's batch gained less than the jitter can make: not fitted
+    jitter: float | None = None          # std of the target batch's validations around their trend
+    no_progress: tuple = ()              # larger batches without measurable progress: reported, not fitted
+    plateau: bool = False                # no batch made measurable progress: nothing fitted
 
     @property
     def fitted_batches(self) -> list:
@@ -113,18 +121,18 @@ class BranchFit:
     @property
     def status(self) -> str:
         """'measured' (a value), 'bound' (below the smallest or above the largest batch fitted), 'plateau'
-        (no batch made progress the validations can tell from their jitter) or 'no target'."""
+        (no batch made progress the validations can tell from their jitter), 'no fit' (a target, but fewer
+        than two batch sizes to fit) or 'no target' (no branches)."""
         if self.plateau:
             return "plateau"
         if self.b_crit is None:
-            return "no target"
+            return "no target" if self.target_loss is None else "no fit"
         return "measured" if self.resolved else "bound"
 
     @property
     def firm_bound(self) -> bool:
-        """B_crit below the smallest batch (or above the largest) in every bootstrap replicate: a bound, not
-        a wide interval."""
-        return (self.b_crit == 0 and self.hi == 0) or (self.b_crit == math.inf and self.lo == math.inf)
+        """`firm_bound` of this fit: a bound, not a wide interval."""
+        return firm_bound(self.b_crit, self.hi)
 
     @property
     def reliable(self) -> bool:
@@ -257,76 +265,104 @@ def gain(c: BranchCurve, usable_from: float = 0.0) -> float:
     return first_usable(c, usable_from) - end_level(c)
 
 
-def target_and_stalled(curves: list[BranchCurve], fraction: float = TARGET_FRACTION,
-                       usable_from: float = 0.0) -> tuple[float | None, tuple[int, ...]]:
+def may_set_target(batch: int, batches) -> bool:
+    """The largest batch always; a smaller one only with at least MIN_FIT_BATCHES - 1 batches below it, so that
+    a fit over the batches timed to its target keeps at least MIN_FIT_BATCHES (of four, one may fall back; of
+    three or fewer, none). measure.time_batches runs a batch only while this holds."""
+    return batch == max(batches) or sum(b < batch for b in batches) >= MIN_FIT_BATCHES - 1
+
+
+def jitter_of(curves: list[BranchCurve]) -> float | None:
+    """The mean over curves of their validations' std around their trend (`trend`); None when no curve has
+    the 3 validations after its start that a trend and its residuals need."""
+    values = [trend(c)[1] for c in curves if len(c.losses) >= 4]
+    return float(np.mean(values)) if values else None
+
+
+def gain_resolution(curves: list[BranchCurve], jitter: float | None, level: float,
+                    usable_from: float = 0.0) -> float:
+    """The smallest mean gain (`gain`, over these curves' seeds) that the validations' jitter cannot make:
+    z(level) x its standard error. The error assumes the jitter independent from one validation to the next
+    (a gain is one validation minus the mean of the last quarter's), std/sqrt(1 + 1/n) per seed; with two seeds
+    or more it is at least the gains' own spread over seeds / sqrt(seeds), which holds what the independent
+    model misses (the EMA makes neighbouring validations alike). 0 without a jitter (nothing to test against)."""
+    from statistics import NormalDist
+
+    if not curves or jitter is None or not math.isfinite(jitter) or jitter <= 0:
+        return 0.0
+    tail = float(np.mean([max(1, (len(c.losses) - 1) // 4) for c in curves]))
+    se = jitter * math.sqrt((1 + 1 / tail) / len(curves))
+    if len(curves) > 1:
+        se = max(se, float(np.std([gain(c, usable_from) for c in curves], ddof=1)) / math.sqrt(len(curves)))
+    return NormalDist().inv_cdf(0.5 + level / 2) * se
+
+
+def target_and_stalled(curves: list[BranchCurve], level: float = 0.9, usable_from: float = 0.0,
+                       fraction: float = TARGET_FRACTION, planned: Sequence[int] = ()) -> tuple[float | None, tuple[int, ...]]:
     """The one verdict on which batches made progress (measure.time_batches while the branches run, and
-    fit_branches after): from the largest batch down, each whose branches lowered nothing in the mean over
-    seeds made no progress; the first that did sets the target (`branch_target`). (None, every batch) when
-    none did."""
+    fit_branches after): from the largest batch down, as long as a batch may set the target
+    (`may_set_target`), each whose mean gain over seeds does not pass `gain_resolution` made no measurable
+    progress; the first that does sets the target (`branch_target`). (None, every batch tried) when none did.
+    `planned`: the batches the branches were planned at (the smaller ones run only once a target is set);
+    default: those in `curves`."""
+    batches = sorted(set(planned) | {c.batch for c in curves})
     stalled = []
-    for b in sorted({c.batch for c in curves}, reverse=True):
-        target = branch_target([c for c in curves if c.batch == b], fraction, usable_from)
+    for b in reversed(batches):
+        mine = [c for c in curves if c.batch == b]
+        if not mine or not may_set_target(b, batches):
+            break
+        passed = np.mean([gain(c, usable_from) for c in mine]) > gain_resolution(mine, jitter_of(mine), level, usable_from)
+        target = branch_target(mine, fraction, usable_from) if passed else None
         if target is not None:
             return target, tuple(stalled)
         stalled.append(b)
     return None, tuple(stalled)
 
 
-def gain_resolution(curves: list[BranchCurve], jitter: float, level: float) -> float:
-    """The smallest mean gain (`gain`, over these curves' seeds) that the validations' jitter cannot make:
-    z(level) x its standard error, with the jitter independent from one validation to the next (a gain is
-    one validation minus the mean of the last quarter's). Below it the branches cannot tell progress from
-    noise: the checkpoint is at a plateau at this lr (the study: B_crit 'not measurable' at its runs' plateau)."""
-    from statistics import NormalDist
-
-    if not curves or jitter <= 0:
-        return 0.0
-    tail = np.mean([max(1, (len(c.losses) - 1) // 4) for c in curves])
-    return NormalDist().inv_cdf(0.5 + level / 2) * jitter * math.sqrt((1 + 1 / tail) / len(curves))
-
-
 def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: float = 0.0,
-                 n_boot: int = BOOTSTRAP) -> BranchFit:
+                 n_boot: int = BOOTSTRAP, planned: Sequence[int] = ()) -> BranchFit:
     """Steps each branch took to the same val-loss target (`branch_target`) -> fit S = S_min (1 + B_crit / B)
     (convergence.fit_critical_batch), with an interval from `jitter_bootstrap` (the seed-only interval of
     convergence.bootstrap_critical_batch, narrower, is kept in `seed_interval`). The steps are where the
     branch's EMA crossed the target (`crossing`), read between validations, / B; a crossing within the first
-    `usable_from` samples is an upper bound, named in `early`. Larger batches whose whole branch lowered
-    nothing (`target_and_stalled`) keep their gains in the report and stay out of the target and the fit: the
-    law describes progress, and they made none. When the batch that sets the target gained less than the
-    validations' jitter can make (`gain_resolution`), nothing is fitted: the checkpoint is at a plateau."""
+    `usable_from` samples is an upper bound, named in `early`. Larger batches without measurable progress
+    (`target_and_stalled`: a mean gain within what the validations' jitter can make) keep their gains in the
+    report and stay out of the target and the fit: the law describes progress, and they made none. When no
+    batch that may set the target (`may_set_target` over `planned`, the batches the branches were planned
+    at; default: those in `curves`) made measurable progress, nothing is fitted: a plateau."""
     start = curves[0].losses[0] if curves else math.nan
     gains = {b: [gain(c, usable_from) for c in curves if c.batch == b] for b in sorted({c.batch for c in curves})}
     mean_gain = {b: float(np.mean(g)) for b, g in gains.items()}
     spread = {b: float(np.std(g, ddof=1)) if len(g) > 1 else math.nan for b, g in gains.items()}
-    target, stalled = target_and_stalled(curves, usable_from=usable_from)
+    target, stalled = target_and_stalled(curves, level, usable_from, planned=planned)
+    by_batch = {b: [c for c in curves if c.batch == b] for b in gains}
+    listed = ", ".join(f"{b} (gain {mean_gain[b]:+.2g}, resolution "
+                       f"{gain_resolution(by_batch[b], jitter_of(by_batch[b]), level, usable_from):.2g})" for b in stalled)
     curves = [c for c in curves if c.batch not in stalled]
     batches = sorted({c.batch for c in curves})
     empty = dict(b_crit=None, lo=None, hi=None, level=level, law=None, start_loss=start, target_loss=None,
                  mean_gain=mean_gain, gain_spread=spread, steps={}, dropped=[], checks={}, no_progress=stalled)
-    listed = ", ".join(f"{s} ({mean_gain[s]:+.3g})" for s in stalled)
     if target is None:
-        return BranchFit(**empty, note=(f"B = {listed} lowered nothing over {'its' if len(stalled) == 1 else 'their'} "
-                                        "branch: no target; raise --budget-samples") if stalled else "no branches")
-    notes = [f"B = {listed} lowered nothing over its whole branch: no progress at this lr from this checkpoint "
-             "(past the largest batch it trains stably at, or at its noise floor); left out of the target and the "
+        if not stalled:
+            return BranchFit(**empty, note="no branches")
+        return BranchFit(**{**empty, "plateau": True, "jitter": jitter_of(by_batch[stalled[-1]])},
+                         note=f"no measurable progress at B = {listed}, the batches that may set the target (the "
+                              f"resolution: the least gain the validations' jitter does not make, at {level:.0%}): "
+                              "the checkpoint is at a plateau at this lr, so B_crit is not measurable here (or the "
+                              "branches are too short to show progress: raise --budget-samples); from here "
+                              "accumulate_every changes the samples per step, not where the loss settles. For the "
+                              "critical batch of a training run, advise on a checkpoint from earlier in it (or "
+                              "--from-scratch)")
+    notes = [f"B = {listed} made no measurable progress over {'its branch' if len(stalled) == 1 else 'their branches'}"
+             " (at this lr a larger batch can be past what it trains stably at): left out of the target and the "
              f"fit; the target set by B = {max(batches)}"] if stalled else []
-    if len(batches) < 2:
-        return BranchFit(**{**empty, "target_loss": target},
-                         note="; ".join(notes + [f"only B = {batches[0]} made progress: fewer than two batch sizes "
-                                                 "to fit"]))
     big = max(batches)
-    noise = float(np.mean([trend(c)[1] for c in curves if c.batch == big]))
-    needed = gain_resolution([c for c in curves if c.batch == big], noise, level)
-    if mean_gain[big] < needed:
-        return BranchFit(**{**empty, "target_loss": target, "jitter": noise, "plateau": True},
-                         note="; ".join(notes + [
-                             f"at a plateau: B = {big} gained {mean_gain[big]:.2g} over its branch, less than the "
-                             f"{needed:.2g} the validations' jitter (±{noise:.2g}) can make at {level:.0%}: no batch "
-                             "makes measurable progress from this checkpoint at this lr, so B_crit is not measurable "
-                             "here; from here accumulate_every changes the samples per step, not where the loss "
-                             "settles. For the critical batch of a training run, advise on a checkpoint from earlier "
-                             "in it (or --from-scratch)"]))
+    noise = jitter_of([c for c in curves if c.batch == big])
+    jitter_text = "an unknown amount" if noise is None else f"±{noise:.2g}"
+    if len(batches) < 2:
+        return BranchFit(**{**empty, "target_loss": target, "jitter": noise},
+                         note="; ".join(notes + [f"only B = {big} {'made progress' if stalled else 'was measured'}: "
+                                                 "fewer than two batch sizes to fit"]))
     steps, dropped = _steps_at(curves, target, usable_from)
     fit = _fit_steps(steps)
     checks = {}
@@ -341,10 +377,9 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
     lo, hi = jitter_bootstrap(curves, n_boot // 4, level, usable_from=usable_from)
     seeds = bootstrap_critical_batch(steps, n_boot=n_boot, seed=0, level=level)
     law = Law(fit.s_min, fit.e_min) if fit.resolved else Law.from_b_crit(fit.b_crit, "branches")
-    firm = (fit.b_crit == 0 and hi == 0) or (fit.b_crit == math.inf and lo == math.inf)  # BranchFit.firm_bound
-    if not firm and not (0 < lo and hi < math.inf and hi / lo <= WIDE):
+    if not firm_bound(fit.b_crit, hi) and not (0 < lo and hi < math.inf and hi / lo <= WIDE):
         notes.append(f"not resolved at this budget: the interval spans {lo:.3g}-{hi:.3g}; the val loss moves by "
-                     f"±{noise:.2g} between validations against a gain of {mean_gain[big]:.2g} at B = {big}: more "
+                     f"{jitter_text} between validations against a gain of {mean_gain[big]:.2g} at B = {big}: more "
                      "--budget-samples or --branch-seeds, or a checkpoint from earlier in training (faster progress)")
     if early:
         notes.append(f"{', '.join(early)} crossed the target while the EMA still held the checkpoint's weights: "

@@ -25,7 +25,6 @@ from voxdiff.training.schedule import lr_at, plan_budget, scaled_lr
 from voxdiff.training.trainer import Trainer
 
 NOT_MEASURED = "voxdiff advise: the accumulation noise scale is not read here"
-MIN_FIT_BATCHES = 3     # batches at or below the one whose gain sets the branches' target (run_branches)
 MEMORY_HEADROOM = 0.9   # CPU: stop before a micro-batch predicted to need more than this share of free RAM
 
 
@@ -443,7 +442,7 @@ def _branch(session: Session, plan: BranchPlan, b: int, seed: int, first: float,
 
 def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> BranchRun:
     """The branches, in time_batches' order: the largest batch first, every seed, its whole budget: the mean
-    gain it makes sets the target (fit.branch_target); then each smaller batch, every seed, until its EMA is at
+    gain it makes sets the target (fit.target_and_stalled); then each smaller batch, every seed, until its EMA is at
     or below the target at two validations in a row (or the same budget). Within a seed every batch consumes
     the same global sample indices, so the draws (subject, timestep, noise) are the same samples at every batch.
 
@@ -468,10 +467,11 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
         progress.tick(plan.adam_moment_samples)
     del tr
 
+    # one branch's work in progress-bar units (command._work_estimate counts half of it for a smaller batch)
+    per_branch = plan.samples * (1 + plan.val_draws * len(session.cache.split_indices("val")) / 3 / plan.val_every)
+
     def run_batch(b: int, target: float | None) -> BranchRun:
-        if target is None and b != max(plan.batches):
-            # it runs its whole budget where the progress bar's total (command._work_estimate) counted half
-            per_branch = plan.samples * (1 + plan.val_draws * len(session.cache.split_indices("val")) / 3 / plan.val_every)
+        if target is None and b != max(plan.batches):  # a fallback: its whole budget, untimed
             progress.extend(0.5 * per_branch * len(plan.seeds))
         out = BranchRun([], None, 0, [])
         for seed in plan.seeds:
@@ -481,33 +481,36 @@ def run_branches(session: Session, plan: BranchPlan, progress: Progress) -> Bran
             out.notes += [note] if note else []
         return out
 
-    run = time_batches(plan.batches, run_batch, plan.usable_from)
+    run = time_batches(plan.batches, run_batch, plan.usable_from, session.params.train.gns_ci_level)
+    skipped = set(plan.batches) - {c.batch for c in run.curves}
+    if skipped:  # no target: the batches below were never run, where the progress bar's total counted half each
+        progress.extend(-0.5 * per_branch * len(plan.seeds) * len(skipped))
     run.validations += 1  # the checkpoint's EMA
     return run
 
 
-def time_batches(batches, run_batch, usable_from: float) -> BranchRun:
-    """The order of the branches: the largest batch untimed (its whole budget); the first whose gain sets a
-    target (fit.target_and_stalled, the verdict the fit reads too) times every smaller one.
-    run_batch(b, target) -> BranchRun of batch b's seeds.
+def time_batches(batches, run_batch, usable_from: float, level: float = 0.9) -> BranchRun:
+    """The order of the branches: the largest batch untimed (its whole budget); the first whose gain passes
+    the validations' jitter (fit.target_and_stalled, the verdict the fit reads too) sets the target and times
+    every smaller one. run_batch(b, target) -> BranchRun of batch b's seeds.
 
-    Why the next batch down sets the target when the largest lowers nothing: at the checkpoint's lr a large
-    batch can be past the batch it trains stably at (in the study, effective batch 8 spiked at 2x the lr; on
-    the demo's checkpoint batch 16's val loss rose by 0.014 in 24 steps), and one such batch would leave the
-    others untimed. Each batch that lowers nothing is named in no_progress; a batch sets the target only
-    with at least MIN_FIT_BATCHES - 1 batches below it, so the fit keeps at least MIN_FIT_BATCHES."""
-    from voxdiff.advise.fit import target_and_stalled
+    Why the next batch down sets the target when the largest makes no measurable progress: at the
+    checkpoint's lr a large batch can be past the batch it trains stably at (in the study, effective batch 8
+    spiked at 2x the lr; on the demo's checkpoint batch 16's val loss rose by 0.014 in 24 steps), and one
+    such batch would leave the others untimed. Each such batch is named in no_progress; a batch below the
+    largest runs untimed only while fit.may_set_target allows (of four batches one may fall back; of three
+    or fewer, none)."""
+    from voxdiff.advise.fit import may_set_target, target_and_stalled
 
     run = BranchRun([], None, 0, [])
-    order = sorted(batches, reverse=True)
-    for i, b in enumerate(order):
-        if run.target is None and i > 0 and len(order) - i < MIN_FIT_BATCHES:
-            break  # no batch with enough batches below it made a gain: nothing to time the others to
+    for b in sorted(batches, reverse=True):
+        if run.target is None and not may_set_target(b, batches):
+            break  # no batch that may set the target made progress: nothing to time the others to
         got = run_batch(b, run.target)
         run.curves += got.curves
         run.validations += got.validations
         run.notes += got.notes
         if run.target is None:
-            run.target, stalled = target_and_stalled(run.curves, usable_from=usable_from)
+            run.target, stalled = target_and_stalled(run.curves, level, usable_from, planned=batches)
             run.no_progress = list(stalled)
     return run

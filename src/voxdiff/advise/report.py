@@ -187,7 +187,7 @@ def markdown(a: Advice, figure: Path) -> str:
     lines += ["| | |", "|---|---|",
               f"| critical batch, measured by the branches | {_bcrit_cell(b)}"
               + ("" if b.plateau else f" ({b.level:.0%} interval {_interval(b.lo, b.hi)}"
-                 f"{'' if b.reliable else ': not resolved'})") + " |",
+                 f"{'' if b.reliable or b.firm_bound else ': not resolved'})") + " |",
               f"| gradient noise scale B_simple (marginal over timesteps) | {_num(m.value, none='not resolved')} "
               f"({a.noise.level:.0%} interval {_interval(m.lo, m.hi)}) |",
               f"| which the table uses | {a.verdict.trusted} |", "", a.verdict.sentence[0].upper() + a.verdict.sentence[1:]
@@ -250,13 +250,14 @@ def markdown(a: Advice, figure: Path) -> str:
               "branch crosses it, read between validations, / B = its steps, fitted with S = S_min(1 + B_crit/B) "
               "(`voxdiff.convergence`); the interval by a bootstrap over seeds and over each curve's validations around "
               "its trend (the seeds alone give "
-              f"{_interval(*b.seed_interval)}).", "",
+              f"{_interval(*b.seed_interval) if b.seed_interval[0] is not None else '—'}).", "",
               "| effective batch | runs as | samples trained | val-loss gain (mean ± std over seeds) | gain per 1000 "
               "samples | gain per step | steps to target |", "|---|---|---|---|---|---|---|"]
     per_sample, per_step, trained = _gain_rates(a, False), _gain_rates(a, True), _samples_per_batch(a)
     for batch in plan.batches:
         mu = plan.micro[batch]
-        steps = ("no progress: left out of the fit" if batch in b.no_progress
+        steps = ("no measurable progress: left out of the fit" if batch in b.no_progress
+                 else f"not fitted ({b.status})" if b.status in ("plateau", "no fit", "no target")
                  else ", ".join(f"{s:.1f}" for s in b.steps.get(batch, [])) or "not reached")
         lines.append(f"| {batch} | {mu} × {batch // mu} | {_num(trained.get(batch), '.0f')} | "
                      f"{_num(b.mean_gain.get(batch), '.3g')} ± {_num(b.gain_spread.get(batch), '.2g')} "
@@ -375,7 +376,8 @@ def log_run(a: Advice, uri: str, experiment_id: str, files: list[Path], options:
     try:
         client.log_batch(rid, metrics=[Metric(k, float(v), ts, 0) for k, v in values.items() if v is not None],
                          params=[Param(k, str(v)[:6000]) for k, v in options.items()],
-                         tags=[RunTag("voxdiff.trusted", a.verdict.trusted)])
+                         tags=[RunTag("voxdiff.trusted", a.verdict.trusted),
+                               RunTag("voxdiff.b_crit_branch_status", a.branch.status)])
         for f in files:
             client.log_artifact(rid, str(f))
     except Exception:
