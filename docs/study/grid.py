@@ -49,6 +49,10 @@ LR_GRID = (5.0e-4, 2.0e-3)
 # LR the first 1536 steps of each are the steps arm's run of the same seed (the draws are a function of the
 # global sample index), so the arm extends those runs. k 4 is 12,288 samples (about 30 minutes in bf16 with AMX).
 LONG_STEPS = 2 * STEPS
+# med-ddpm's regime to its plateau: the pilot's power-law fit (L_inf + a s^-alpha from step 512) passes the
+# plateau criterion near 14,000 steps, so k 1 and 2 train 16,384 steps, seeds 0-1 (k 1 about 35 minutes, k 2
+# about 60, in bf16 with AMX; at 3072 steps both still fell 7-9 % in the last quarter).
+EPS_LONG_STEPS = 16384
 
 
 def arms() -> list[tuple[str, dict]]:
@@ -59,7 +63,7 @@ def arms() -> list[tuple[str, dict]]:
     (a run cut short by the end of a session is lost: the cheaper ones land first); then the arms that test the noise scale's miss and the
     regime: a pilot of med-ddpm's epsilon-prediction regime and its k 1 / 2 arm, clipping off, the L2 loss,
     a cosine LR decay (each at effective batch 1 and 4), an LR grid at effective batch 1 and 8, and effective
-    batch 1 and 4 trained twice as long (do they settle?)."""
+    batch 1 and 4 trained twice as long (do they settle?), and med-ddpm's regime to its plateau."""
     out = []
     for seed in (0, 1, 2):
         for micro in (2, 1):
@@ -105,6 +109,10 @@ def arms() -> list[tuple[str, dict]]:
         for k in CAUSE_KS:
             out.append(("steps-long", {**micro1, "train.max_steps": LONG_STEPS, "train.accumulate_every": k,
                                        "seed": seed}))
+    for seed in (0, 1):
+        for k in (1, 2):
+            out.append(("eps-long", {**micro1, "train.max_steps": EPS_LONG_STEPS, "train.accumulate_every": k,
+                                     **EPSILON, "seed": seed}))
     return out
 
 

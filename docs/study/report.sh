@@ -23,6 +23,9 @@ voxdiff compare --runs $R --group-by precision_resolved --filter "$(python docs/
 # 6144-step pilot as the k = 1 seed 0 run.
 voxdiff compare --runs $R --filter "$(python docs/study/grid.py ids eps)" --out docs/study/report_eps.md \
   || echo "(no epsilon runs archived yet)"
+# med-ddpm's regime to its plateau: k 1 and 2 at 16,384 steps.
+voxdiff compare --runs $R --filter "$(python docs/study/grid.py ids eps-long)" --out docs/study/report_eps_long.md \
+  || echo "(no eps-long runs archived yet)"
 # The arms that test why the noise scale misses: the equal-steps design with clipping off, with the L2 loss,
 # with a cosine LR decay (effective batch 1 and 4 each).
 for arm in noclip l2 cosine; do
