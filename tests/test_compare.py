@@ -494,6 +494,7 @@ def test_plateau_verdict_per_run_and_per_setting(tmp_path):
             assert line.endswith(f"| {100 * c:+.1f} % | {verdict} |")
     assert "Still falling at the end of the budget" in report and "train.accumulate_every=2 (3/3 runs" in report
     assert "train.accumulate_every=1 (" not in report.split("Still falling")[1].split("\n")[0]
+    assert "Rising at the end" not in report and "rising: past its lowest" not in report  # none rose
 
 
 def critical_runs(stretch, seeds: list[float], batches=(1, 2, 4, 8)):

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from voxdiff.convergence import (PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch, plateau_change,
-                                 plateau_level, reached_plateau, target_levels)
+from voxdiff.convergence import (PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch, past_its_lowest,
+                                 plateau_change, plateau_level, reached_plateau, target_levels)
 
 # The study's cadence: 24 validations, the last at the end of the run (7 of them in the last quarter).
 STEPS = np.arange(1, 25) * 64.0
@@ -64,6 +64,12 @@ def test_plateau_threshold_and_none_when_too_short():
     assert PLATEAU_THRESHOLD == 0.02
     assert reached_plateau(-0.019) is True and reached_plateau(-0.021) is False and reached_plateau(0.3) is True
     assert reached_plateau(None) is None
+    # a plateau that rose by more than the threshold: past its lowest (the steps-long k = 4 runs, +5-9 %)
+    assert past_its_lowest(0.021) and not past_its_lowest(0.019) and not past_its_lowest(-0.3)
+    assert not past_its_lowest(None)
+    rng = np.random.default_rng(2)
+    assert all(past_its_lowest(plateau_change(STEPS, curve(0.10, 0.01, rng))) for _ in range(100))
+    assert sum(past_its_lowest(plateau_change(STEPS, curve(0.0, 0.01, rng))) for _ in range(100)) <= 10
     # 2 validations in the last quarter: no line worth fitting
     assert plateau_change([10.0, 20.0, 30.0, 40.0], [4.0, 3.0, 2.0, 1.0]) is None
     assert plateau_change([], []) is None and plateau_change([5.0], [1.0]) is None

@@ -8,7 +8,8 @@ steps, read from a least-squares line fitted to the validations inside that wind
 validation noise that makes an end-point difference jump): slope x window length / the line's value at
 the window's start. -0.10 means the line fell 10 % over the last quarter. A run has reached its plateau
 when that change is above -PLATEAU_THRESHOLD (it fell by less than 2 %: `reached_plateau`); a rising
-line counts as a plateau too (the run has stopped improving). The threshold is a relative change of the
+line counts as a plateau too (the run has stopped improving; `past_its_lowest` names one that rose by
+more than the threshold). The threshold is a relative change of the
 loss itself, so it compares runs whatever their first quarter did, which the older `val_flattening`
 (last quarter's gain / first quarter's) does not: a run that fell fast at first passes that ratio while
 still falling 8-12 % per quarter.
@@ -76,6 +77,12 @@ def reached_plateau(change: float | None) -> bool | None:
     if change is None:
         return None
     return bool(change > -PLATEAU_THRESHOLD)
+
+
+def past_its_lowest(change: float | None) -> bool:
+    """A plateau by `reached_plateau` whose last quarter rose by more than PLATEAU_THRESHOLD: the run passed
+    its lowest val loss (over-fitting, or a spike), so its final value is not its plateau's level."""
+    return change is not None and change > PLATEAU_THRESHOLD
 
 
 def plateau_level(steps, losses, fraction: float = PLATEAU_FRACTION) -> float | None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from voxdiff.convergence import (PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch, plateau_change,
-                                 plateau_level, reached_plateau, target_levels)
+from voxdiff.convergence import (PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch, past_its_lowest,
+                                 plateau_change, plateau_level, reached_plateau, target_levels)
 from voxdiff.fsutil import atomic_path
 from voxdiff.report.loading import RunData, as_float
 from voxdiff.report.statistics import (ALPHA, GroupSummary, compare_means, confounders, holm,
@@ -240,6 +240,13 @@ def reading_section(groups: list[GroupSummary], runs: list[RunData], group_by: s
                      "or more) in " + ", ".join(f"{group_by}={g.key} ({len(g.plateau) - g.at_plateau}/{len(g.plateau)} "
                                                 f"runs, {percent_cell(g.plateau)})" for g in falling)
                      + ": their final val loss is where the budget stopped them, not where they converge.")
+    rising = [g for g in measured if any(past_its_lowest(c) for c in g.plateau)]
+    if rising:
+        lines.append(f"- Rising at the end of the budget (last quarter up by more than {100 * PLATEAU_THRESHOLD:g} %) in "
+                     + ", ".join(f"{group_by}={g.key} ({sum(past_its_lowest(c) for c in g.plateau)}/{len(g.plateau)} "
+                                 "runs)" for g in rising)
+                     + ": past their lowest val loss (over-fitting or a spike), so their final val loss is above "
+                     "their plateau's level; compare the best post-hoc EMA or the lowest validation as well.")
     budgets = sorted({r.metrics["total_samples"] for r in runs if r.has_val and "total_samples" in r.metrics})
     if len(budgets) > 1:  # a step budget gives larger effective batches more samples: final losses not comparable
         lines.append(f"- Runs saw different numbers of samples ({budgets[0]:.0f}–{budgets[-1]:.0f}): final val "
@@ -440,7 +447,8 @@ def runs_table(groups: dict[str, list[RunData]], group_by: str) -> list[str]:
         for r in runs:
             final = f"{r.final_val_loss:.4g}" if r.has_val else "no val_loss"
             change = plateau_change(r.val_steps, r.val_loss) if r.has_val else None
-            verdict = {None: "—", True: "yes", False: "no: still falling"}[reached_plateau(change)]
+            verdict = ("yes, rising: past its lowest" if past_its_lowest(change)
+                       else {None: "—", True: "yes", False: "no: still falling"}[reached_plateau(change)])
             lines.append(f"| {group_by}={key} | {r.run_id} | {r.params.get('seed', '?')} | "
                          f"{r.tags.get('voxdiff.dvc_exp_name', '')} | {final} | "
                          f"{'—' if change is None else f'{100 * change:+.1f} %'} | {verdict} |")
