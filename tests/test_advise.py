@@ -269,7 +269,7 @@ def test_fit_branches_reads_steps_between_validations():
     assert fit.samples_to_target([0, 10], [1.0, 0.9], 0.5) is None
     flat = [fit.BranchCurve(8, 0, 1, (0, 64), (1.0, 1.0))]
     none = fit.fit_branches(flat, n_boot=50)
-    assert none.b_crit is None and "no measurable progress at B = 8 (gain +0" in none.note
+    assert none.b_crit is None and "no measurable progress at B = 8 (fall +0" in none.note
     assert "--budget-samples" in none.note and none.status == "plateau"
     # B = 8 stalled over two batches: B = 1 has no batch below it to fit, so it may not set the target
     two = fit.fit_branches(flat + curves[:3], n_boot=50)
@@ -291,7 +291,7 @@ def test_a_largest_batch_that_makes_no_progress_is_reported_and_left_out_of_the_
     # B = 16's gain, from its first usable validation (8 samples) to its end, stays in the report
     assert 16 not in got.steps and got.mean_gain[16] == pytest.approx(-0.0002 * (128 - 8), rel=1e-6)
     assert got.no_progress == (16,) and got.fitted_batches == [1, 2, 4, 8]
-    assert "B = 16 (gain -0.024, resolution " in got.note and "made no measurable progress" in got.note
+    assert "B = 16 (fall -0.024, resolution " in got.note and "made no measurable progress" in got.note
     assert got.note.endswith("the target set by B = 8")
     assert got.status == "measured"
     assert fit.branch_target(curves) is None  # the control: B = 16 as the target's batch sets none
@@ -369,16 +369,27 @@ def test_a_largest_batch_whose_gain_is_within_the_jitter_hands_the_target_down()
     assert fit.target_and_stalled(law)[1] == ()
 
 
-def test_gain_resolution_edge_cases():
-    """No curves, no jitter, a NaN jitter: nothing to test against (0). Two seeds whose gains differ more than
-    the jitter model allows: the spread over seeds sets the resolution."""
-    c = law_curve(8, 0)
-    assert fit.gain_resolution([], 0.01, 0.9) == 0.0
-    assert fit.gain_resolution([c], None, 0.9) == 0.0 and fit.gain_resolution([c], math.nan, 0.9) == 0.0
-    assert fit.jitter_of([fit.BranchCurve(8, 0, 1, (0, 8, 16), (1.0, 0.9, 0.8))]) is None  # too few validations
-    apart = [c, dataclasses.replace(c, seed=1, losses=tuple(1.0 - 10 * (1.0 - x) for x in c.losses))]
-    spread = np.std([fit.gain(x) for x in apart], ddof=1)
-    assert fit.gain_resolution(apart, 1e-6, 0.9) == pytest.approx(1.6449 * spread / math.sqrt(2), rel=1e-3)
+def test_batch_progress_is_a_line_through_the_validations_with_its_standard_error():
+    """One seed: the fall and its resolution are the slope and scipy's standard error of it (linregress)
+    times the span and z(0.9); two seeds share the slope, each with its own intercept (the seeds' offsets
+    are not noise). Too few validations for a line: the mean gain, resolution 0, no jitter."""
+    from scipy import stats
+
+    rng = np.random.default_rng(5)
+    at = tuple(float(x) for x in range(0, 136, 8))
+    line = [1.0 - 0.0001 * x + (rng.normal(0, 0.003) if x else 0.0) for x in at]
+    one = fit.BranchCurve(8, 0, 1, at, tuple(line))
+    got = fit.batch_progress([one], 0.9)
+    ref = stats.linregress(at[1:], line[1:])
+    assert got.drop == pytest.approx(-ref.slope * (at[-1] - at[1]), rel=1e-9)  # first usable to last
+    assert got.resolution == pytest.approx(1.6449 * ref.stderr * (at[-1] - at[1]), rel=1e-3)
+    assert got.jitter == pytest.approx(0.003, rel=0.5)
+    shifted = dataclasses.replace(one, seed=1, losses=tuple(x + 0.05 for x in line))  # an offset, same slope
+    both = fit.batch_progress([one, shifted], 0.9)
+    assert both.drop == pytest.approx(got.drop, rel=1e-9) and both.resolution < got.resolution
+    short = fit.batch_progress([fit.BranchCurve(8, 0, 1, (0, 8, 16), (1.0, 0.9, 0.8))], 0.9)
+    assert short.jitter is None and short.resolution == 0.0 and short.drop == pytest.approx(0.1)
+    assert fit.batch_progress([], 0.9) == fit.BatchProgress(0.0, 0.0, None)
 
 
 def test_a_plateau_reads_as_one_in_every_output(tmp_path):
@@ -418,6 +429,8 @@ def test_a_plateau_reads_as_one_in_every_output(tmp_path):
     assert md.count("not fitted (plateau)") + md.count("no measurable progress: left out") == 4
     lines = command.summary(dataclasses.replace(a, files=[tmp_path / "advise.md"])).splitlines()
     assert lines[0].endswith("not measurable, the checkpoint is at a plateau") and "plateau" in a.sentence
+    plateau_sentence = command._sentence(a.verdict, a.branch, a.cost, a.recommended_one_device, a.recommended, 1, True)
+    assert "what more devices buy is not measured (no batch makes progress" in plateau_sentence
     report.figure(a, tmp_path / "advise.png")
     assert (tmp_path / "advise.png").stat().st_size > 0
     control = advice(law)
@@ -450,13 +463,13 @@ def jittered(curve, amplitude, seed):
 
 
 def test_a_gain_within_the_validation_jitter_is_a_plateau_not_a_critical_batch():
-    """The plateau verdict is a test at the CI level (90 %): with no gain at all (the law's curves, B_crit = 3,
+    """The plateau verdict is a test at the CI level (90 %): with no fall at all (the law's curves, B_crit = 3,
     shrunk 1000x) under validation jitter of std 0.002, at least 80 % of 40 draws of the jitter give no B_crit
-    (a plateau, or no batch with a gain: 90 % of 200 draws; the rest are a batch's chance gain past the
-    resolution, tested again at each batch the order falls back to); with the law's own gain (~0.01 at B = 8,
-    ~5 standard errors) at most 5 % are called a plateau (the negative control). A plateau fits nothing, says so, is 'plateau' in the JSON
-    and leaves the table to the noise scale; the demo's last checkpoint had a gain of 0.0002 against jitter
-    0.0044."""
+    (94 % of 200 draws were a plateau; the rest a batch's chance fall past its resolution, tested again at
+    each batch the order falls back to); with the law's own fall (~0.011 at B = 8, ~10 standard errors) at
+    most 5 % are called a plateau (0 of 200: the negative control). A plateau fits nothing, says so, is
+    'plateau' in its status and leaves the table to the noise scale; on the demo's last checkpoint batch 8
+    fell 0.0024 against a resolution of 0.0039."""
     at = tuple(range(0, 136, 8))
     law = [law_curve(b, s, at=at) for b in (1, 2, 4, 8) for s in (0, 1)]
     flat = [dataclasses.replace(c, losses=tuple(1.0 + (x - 1.0) / 1000 for x in c.losses)) for c in law]
@@ -475,8 +488,6 @@ def test_a_gain_within_the_validation_jitter_is_a_plateau_not_a_critical_batch()
     assert verdict.trusted == "noise scale" and verdict.law.b_crit == 0.3 and "plateau" in verdict.sentence
     assert "not measurable" in report._bcrit_cell(got)
     assert all(v.b_crit is not None and v.status in ("measured", "bound") for v in at_law if not v.plateau)
-    assert fit.gain_resolution(law[-2:], 0.004, 0.9) == pytest.approx(
-        1.6449 * 0.004 * math.sqrt((1 + 1 / 4) / 2), rel=1e-3)
 
 
 # --- the command: outputs, MLflow, bad input ------------------------------------------------------------------

@@ -227,9 +227,10 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
     table = fit.candidates(verdict.law, m.speed, opts.world_sizes, sorted(set(ACCUMULATES) | {t.accumulate_every}),
                            current, horizon)
     one = fit.recommend(table, world=1)
-    if fit.uninformative(branch, verdict):
-        # B_crit anywhere from 0 to inf: the one-device advice holds for any B_crit (accumulation never saves
-        # samples), what more devices buy does not: no multi-device recommendation from a point estimate.
+    if fit.uninformative(branch, verdict) or branch.plateau:
+        # B_crit anywhere from 0 to inf, or no progress to buy at this lr: the one-device advice holds for any
+        # B_crit (accumulation never saves samples), what more devices buy does not: no multi-device
+        # recommendation from a point estimate (at a plateau, the noise scale's).
         best, worth = one, None
     else:
         best, worth = fit.recommend(table), fit.devices_worth_it(table)
@@ -246,7 +247,8 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
         source=inputs.source, checkpoint=ck, device=str(rt.device), precision=rt.precision, current=current,
         horizon_samples=horizon, speed=m.speed, noise=m.noise, plan=m.branch_plan, curves=m.branches.curves,
         branch=branch, verdict=verdict, table=table, recommended=best, recommended_one_device=one,
-        devices_worth_it=worth, cost=cost, sentence=_sentence(verdict, branch, cost, one, best, worth, fit.uninformative(branch, verdict)),
+        devices_worth_it=worth, cost=cost,
+        sentence=_sentence(verdict, branch, cost, one, best, worth, fit.uninformative(branch, verdict) or branch.plateau),
         seconds=m.seconds,
         training_samples=trained, validation_draws=m.branches.validations * opts.val_draws * plan.val_subjects,
         notes=m.notes + _notes(state, rt, inputs.params, m.speed, m.branch_plan))
@@ -293,7 +295,10 @@ def _sentence(verdict, branch, cost, one, best, worth, uninformative: bool = Fal
                  one.minutes else "")
     elif worth == 1:
         head += "; a second device would more than double the device-time for the same progress (B past B_crit)"
-    if uninformative:
+    if uninformative and branch.plateau:
+        head += ("; what more devices buy is not measured (no batch makes progress from this checkpoint at this lr: "
+                 "advise on an earlier checkpoint, or --from-scratch)")
+    elif uninformative:
         head += ("; what more devices buy is not measured (the branches' interval runs from 0 to inf: raise "
                  "--budget-samples or --branch-seeds, or advise on a checkpoint where the loss falls faster)")
     return head + "."
