@@ -395,8 +395,8 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
        the same progress relative to the best, and predicted minutes; the recommendation and why.
 
     Writes reports/advise.md, .json and .png, and logs them to MLflow as a run tagged with the training
-    run it advises on. Nothing under models/ is written. The demo's advice took 2.5 minutes on 2 CPU
-    cores (README: "What should I set accumulate_every to?").
+    run it advises on. Nothing under models/ is written. The demo's advice took 3 minutes on 2 CPU
+    cores, 4 with --from-scratch (README: "What should I set accumulate_every to?").
     """
     opts = AdviseOptions(root=root, params_path=params_path, checkpoint=checkpoint,
                          world_sizes=_ints(world_sizes, "--world-sizes"), budget_samples=budget_samples,

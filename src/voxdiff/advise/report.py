@@ -162,7 +162,7 @@ def _interval(lo, hi) -> str:
 
 def _bcrit_cell(b: BranchFit) -> str:
     if b.plateau:
-        return "not measurable: the checkpoint is at a plateau (no batch's gain beats the validations' jitter; c.)"
+        return "not measurable: the checkpoint is at a plateau (no batch's fall beats the validations' jitter; c.)"
     if b.b_crit is None:
         return f"not measured ({b.note})"
     if b.b_crit == 0:
