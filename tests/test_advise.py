@@ -362,11 +362,12 @@ def test_a_largest_batch_whose_gain_is_within_the_jitter_hands_the_target_down()
     tiny16 = [dataclasses.replace(c, losses=tuple(1.0 + (x - 1.0) / 1000 for x in c.losses)) for c in law if c.batch == 16]
     noisy = [jittered(c, 0.002, c.seed) for c in tiny16] + [c for c in law if c.batch < 16]
     assert np.mean([fit.gain(c) for c in noisy if c.batch == 16]) > 0  # a gain, but within the jitter
-    target, stalled = fit.target_and_stalled(noisy)
-    assert stalled == (16,) and target == fit.branch_target([c for c in noisy if c.batch == 8])
+    verdict = fit.target_and_stalled(noisy)
+    assert verdict.stalled == (16,) and verdict.target == fit.branch_target([c for c in noisy if c.batch == 8])
+    assert set(verdict.progress) == {16, 8} and not verdict.progress[16].measurable and verdict.progress[8].measurable
     got = fit.fit_branches(noisy, n_boot=50)
     assert got.no_progress == (16,) and got.b_crit == pytest.approx(3.0, rel=0.05)
-    assert fit.target_and_stalled(law)[1] == ()
+    assert fit.target_and_stalled(law).stalled == ()
 
 
 def test_batch_progress_is_a_line_through_the_validations_with_its_standard_error():

@@ -166,13 +166,16 @@ def _trained(c: BranchCurve) -> tuple:
     return c.trained or c.positions
 
 
+def _usable(c: BranchCurve, usable_from: float) -> list[int]:
+    """Indices of the validations after `usable_from` samples trained (the checkpoint's own, at 0, never)."""
+    return [i for i, e in enumerate(_trained(c)) if e >= usable_from and e > 0]
+
+
 def first_usable(c: BranchCurve, usable_from: float) -> float:
     """The curve's loss at its first validation after `usable_from` samples trained (its last if none): the
     level once its EMA has forgotten the checkpoint's, whose lower noise the branch's shorter EMA cannot keep."""
-    for e, loss in zip(_trained(c), c.losses):
-        if e >= usable_from and e > 0:
-            return loss
-    return c.losses[-1]
+    use = _usable(c, usable_from)
+    return c.losses[use[0]] if use else c.losses[-1]
 
 
 def branch_target(curves: list[BranchCurve], fraction: float = TARGET_FRACTION,
@@ -198,7 +201,7 @@ def crossing(c: BranchCurve, target: float, usable_from: float = 0.0) -> tuple[f
     positions mix two trajectories), it is read at the samples trained, an upper bound that leaves the EMA's
     lag in, and `early` is True."""
     trained = _trained(c)
-    use = [i for i, e in enumerate(trained) if e >= usable_from and e > 0]
+    use = _usable(c, usable_from)
     if len(use) >= 2:
         x = np.asarray([c.positions[i] for i in use], float)
         y = np.asarray([c.losses[i] for i in use], float)
@@ -297,7 +300,7 @@ def batch_progress(curves: list[BranchCurve], level: float, usable_from: float =
 
     xs, ys, seed_of, spans = [], [], [], []
     for i, c in enumerate(curves):
-        use = [j for j, e in enumerate(_trained(c)) if e >= usable_from and e > 0]
+        use = _usable(c, usable_from)
         xs += [c.positions[j] for j in use]
         ys += [c.losses[j] for j in use]
         seed_of += [i] * len(use)
@@ -318,26 +321,33 @@ def batch_progress(curves: list[BranchCurve], level: float, usable_from: float =
     return BatchProgress(-float(coef[0]) * span, NormalDist().inv_cdf(0.5 + level / 2) * se_slope * span, math.sqrt(s2))
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgressVerdict:
+    target: float | None                  # the val loss every branch is timed to; None: none made progress
+    stalled: tuple[int, ...]              # batches, largest first, that made no measurable progress
+    progress: dict[int, BatchProgress]    # each batch judged (the stalled ones and the one that set the target)
+
+
 def target_and_stalled(curves: list[BranchCurve], level: float = 0.9, usable_from: float = 0.0,
-                       fraction: float = TARGET_FRACTION, planned: Sequence[int] = ()) -> tuple[float | None, tuple[int, ...]]:
+                       fraction: float = TARGET_FRACTION, planned: Sequence[int] = ()) -> ProgressVerdict:
     """The one verdict on which batches made progress (measure.time_batches while the branches run, and
     fit_branches after): from the largest batch down, as long as a batch may set the target
     (`may_set_target`), each whose fall does not pass its resolution (`batch_progress`) made no measurable
-    progress; the first that does sets the target (`branch_target`). (None, every batch tried) when none did.
-    `planned`: the batches the branches were planned at (the smaller ones run only once a target is set);
-    default: those in `curves`."""
+    progress; the first that does sets the target (`branch_target`). Target None, every batch tried stalled,
+    when none did. `planned`: the batches the branches were planned at (the smaller ones run only once a
+    target is set); default: those in `curves`."""
     batches = sorted(set(planned) | {c.batch for c in curves})
-    stalled = []
+    stalled, progress = [], {}
     for b in reversed(batches):
         mine = [c for c in curves if c.batch == b]
         if not mine or not may_set_target(b, batches):
             break
-        measurable = batch_progress(mine, level, usable_from).measurable
-        target = branch_target(mine, fraction, usable_from) if measurable else None
+        progress[b] = batch_progress(mine, level, usable_from)
+        target = branch_target(mine, fraction, usable_from) if progress[b].measurable else None
         if target is not None:
-            return target, tuple(stalled)
+            return ProgressVerdict(target, tuple(stalled), progress)
         stalled.append(b)
-    return None, tuple(stalled)
+    return ProgressVerdict(None, tuple(stalled), progress)
 
 
 def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: float = 0.0,
@@ -347,7 +357,8 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
     convergence.bootstrap_critical_batch, narrower, is kept in `seed_interval`). The steps are where the
     branch's EMA crossed the target (`crossing`), read between validations, / B; a crossing within the first
     `usable_from` samples is an upper bound, named in `early`. Larger batches without measurable progress
-    (`target_and_stalled`: a mean gain within what the validations' jitter can make) keep their gains in the
+    (`target_and_stalled`: a line through their validations fell by no more than its standard error allows at
+    `level`) keep their gains in the
     report and stay out of the target and the fit: the law describes progress, and they made none. When no
     batch that may set the target (`may_set_target` over `planned`, the batches the branches were planned
     at; default: those in `curves`) made measurable progress, nothing is fitted: a plateau."""
@@ -355,8 +366,8 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
     gains = {b: [gain(c, usable_from) for c in curves if c.batch == b] for b in sorted({c.batch for c in curves})}
     mean_gain = {b: float(np.mean(g)) for b, g in gains.items()}
     spread = {b: float(np.std(g, ddof=1)) if len(g) > 1 else math.nan for b, g in gains.items()}
-    target, stalled = target_and_stalled(curves, level, usable_from, planned=planned)
-    progress = {b: batch_progress([c for c in curves if c.batch == b], level, usable_from) for b in stalled}
+    verdict = target_and_stalled(curves, level, usable_from, planned=planned)
+    target, stalled, progress = verdict.target, verdict.stalled, verdict.progress
     listed = ", ".join(f"{b} (fall {progress[b].drop:+.2g}, resolution {progress[b].resolution:.2g})" for b in stalled)
     curves = [c for c in curves if c.batch not in stalled]
     batches = sorted({c.batch for c in curves})
@@ -378,7 +389,7 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
              " (at this lr a larger batch can be past what it trains stably at): left out of the target and the "
              f"fit; the target set by B = {max(batches)}"] if stalled else []
     big = max(batches)
-    noise = batch_progress([c for c in curves if c.batch == big], level, usable_from).jitter
+    noise = progress[big].jitter
     jitter_text = "an unknown amount" if noise is None else f"±{noise:.2g}"
     if len(batches) < 2:
         return BranchFit(**{**empty, "target_loss": target, "jitter": noise},

@@ -511,6 +511,6 @@ def time_batches(batches, run_batch, usable_from: float, level: float = 0.9) -> 
         run.validations += got.validations
         run.notes += got.notes
         if run.target is None:
-            run.target, stalled = target_and_stalled(run.curves, level, usable_from, planned=batches)
-            run.no_progress = list(stalled)
+            verdict = target_and_stalled(run.curves, level, usable_from, planned=batches)
+            run.target, run.no_progress = verdict.target, list(verdict.stalled)
     return run
