@@ -6,8 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from voxdiff.convergence import (PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch, past_its_lowest,
-                                 plateau_change, plateau_level, reached_plateau, target_levels)
+from voxdiff.convergence import (BEST_WINDOW, PLATEAU_THRESHOLD, best_point, bootstrap_critical_batch,
+                                 fit_critical_batch, past_its_lowest, plateau_change, plateau_level, reached_plateau,
+                                 target_levels)
 
 # The study's cadence: 24 validations, the last at the end of the run (7 of them in the last quarter).
 STEPS = np.arange(1, 25) * 64.0
@@ -146,3 +147,28 @@ def test_target_levels_lie_strictly_inside_and_geometrically_spaced():
     levels = target_levels(0.16, 0.01, 3)
     assert levels == pytest.approx([0.08, 0.04, 0.02])
     assert target_levels(0.05, 0.06) == [] and target_levels(0.05, 0.0) == []
+
+
+def test_best_point_finds_a_known_lowest_and_is_less_biased_than_the_lowest_validation():
+    """A U-shaped curve 0.03 + 0.02 ((i - 30) / 30)^2 over 48 validations (lowest at validation 30, the shape
+    of a run that over-fits after its best) under 1 % multiplicative jitter: best_point's window centre
+    lies within 3 validations of 30 on >= 95 % of 400 draws and never at the end; its level is within 0.3 %
+    of 0.03 on average, where the lowest single validation is biased low by ~1.1 % (the deepest dip).
+    Negative control: a curve still falling at its end puts the lowest window last (at_end)."""
+    rng = np.random.default_rng(0)
+    i = np.arange(48)
+    truth = 0.03 + 0.02 * ((i - 30) / 30.0) ** 2
+    draws = [truth * np.exp(rng.normal(0.0, 0.01, len(i))) for _ in range(400)]
+    best = [best_point(d) for d in draws]
+    assert sum(abs(b.index - 30) <= 3 for b in best) >= 0.95 * 400
+    assert not any(b.at_end for b in best)
+    level_bias = np.mean([b.level for b in best]) / 0.03 - 1
+    raw_bias = np.mean([d.min() for d in draws]) / 0.03 - 1
+    assert abs(level_bias) < 0.003 and raw_bias < -0.008
+    # the window's mean, exactly
+    d = draws[0]
+    b = best_point(d)
+    assert b.level == pytest.approx(np.mean(d[b.index - BEST_WINDOW // 2:b.index + BEST_WINDOW // 2 + 1]))
+    falling = 0.03 + 0.1 * np.exp(-i / 20.0)
+    assert best_point(falling).at_end and best_point(falling).index == len(i) - 1 - BEST_WINDOW // 2
+    assert best_point(falling[:BEST_WINDOW - 1]) is None

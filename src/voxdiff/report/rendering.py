@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from voxdiff.convergence import (PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch, past_its_lowest,
-                                 plateau_change, plateau_level, reached_plateau, target_levels)
+from voxdiff.convergence import (BEST_WINDOW, PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch,
+                                 past_its_lowest, plateau_change, plateau_level, reached_plateau, target_levels)
 from voxdiff.fsutil import atomic_path
 from voxdiff.report.loading import RunData, as_float
 from voxdiff.report.statistics import (ALPHA, GroupSummary, compare_means, confounders, holm,
@@ -246,7 +246,7 @@ def reading_section(groups: list[GroupSummary], runs: list[RunData], group_by: s
                      + ", ".join(f"{group_by}={g.key} ({sum(past_its_lowest(c) for c in g.plateau)}/{len(g.plateau)} "
                                  "runs)" for g in rising)
                      + ": past their lowest val loss (over-fitting or a spike), so their final val loss is above "
-                     "their plateau's level; compare the best post-hoc EMA or the lowest validation as well.")
+                     "their plateau's level; compare them at their own best (the table above) and at the best post-hoc EMA.")
     budgets = sorted({r.metrics["total_samples"] for r in runs if r.has_val and "total_samples" in r.metrics})
     if len(budgets) > 1:  # a step budget gives larger effective batches more samples: final losses not comparable
         lines.append(f"- Runs saw different numbers of samples ({budgets[0]:.0f}–{budgets[-1]:.0f}): final val "
@@ -440,6 +440,36 @@ def posthoc_table(groups: list[GroupSummary], group_by: str) -> list[str]:
     return lines + [""]
 
 
+def best_table(groups: list[GroupSummary], group_by: str) -> list[str]:
+    """Each setting at its own convergence: every run's lowest val loss (convergence.best_point) and the
+    steps, samples and wall time it took to get there, as early stopping would keep it; the settings'
+    levels compared by Welch over seeds."""
+    with_best = [g for g in groups if g.best]
+    if not with_best:
+        return []
+    lines = ["## At each setting's own best (early stopping)", "",
+             f"Each run's lowest val loss, read as the lowest mean of {BEST_WINDOW} consecutive validations (the "
+             "single lowest validation is biased low by the jitter: it picks the deepest dip), and the optimizer "
+             "steps, samples and wall time at that window's centre: the settings compared at their own "
+             "convergence, as a user who stops each at its best would. Passed its lowest: runs whose lowest "
+             "window came before their last validations (k/n); in the others the loss was still at its lowest "
+             "at the end, so their level is an upper bound and their cost a lower bound.", "",
+             "| setting | runs | lowest val loss | steps at it | samples at it | wall time at it (s) | passed its lowest |",
+             "|---|---|---|---|---|---|---|"]
+    for g in with_best:
+        walls = [b.wall for b in g.best if not math.isnan(b.wall)]
+        lines.append(f"| {group_by}={g.key} | {len(g.best)} | {mean_std([b.level for b in g.best], '.4g', '.2g')} | "
+                     f"{mean_std([b.steps for b in g.best], '.0f')} | {mean_std([b.samples for b in g.best], '.0f')} | "
+                     f"{mean_std(walls, '.0f')} | {sum(not b.at_end for b in g.best)}/{len(g.best)} |")
+    levels = {g.key: [b.level for b in g.best] for g in with_best}
+    lowest = min(with_best, key=lambda g: np.mean(levels[g.key]))
+    lines += ["", f"- Lowest val loss at its own best: **{group_by}={lowest.key}** "
+              f"({mean_std(levels[lowest.key], '.4g', '.2g')})."]
+    lines += _verdicts([(f"{group_by}={g.key}", levels[g.key]) for g in with_best if g is not lowest],
+                       f"{group_by}={lowest.key}", levels[lowest.key], "lowest val loss")
+    return lines + [""]
+
+
 def runs_table(groups: dict[str, list[RunData]], group_by: str) -> list[str]:
     lines = ["## Runs", "", "| setting | run id | seed | DVC experiment | final val loss | last-quarter change "
              "| at plateau |", "|---|---|---|---|---|---|---|"]
@@ -490,7 +520,7 @@ def render_report(*, experiment: str, source: str, group_by: str, filter_string:
                      f"plateau** when that line fell by less than {100 * PLATEAU_THRESHOLD:g} % (k/n runs). Val "
                      "flattening, the older criterion (the last quarter's val-loss gain over the first quarter's), "
                      "is kept for reference: it can pass runs that still fall 10 % per quarter.")
-    lines += ["", *summary_table(groups, group_by), "", *eval_table(groups, group_by),
+    lines += ["", *summary_table(groups, group_by), "", *best_table(groups, group_by), *eval_table(groups, group_by),
               *posthoc_table(groups, group_by), *noise_lines]
     lines += ["", *(f"![{p.stem}]({p.name})" for p in figures if "gns" in p.name)]
     if critical_lines:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 
-from voxdiff.convergence import plateau_change, reached_plateau
+from voxdiff.convergence import best_point, plateau_change, reached_plateau
 from voxdiff.report.loading import RunData, as_float
 
 
@@ -37,6 +38,23 @@ BUDGET_KEYS = {"train.max_samples", "train.max_steps"}
 TRAINING_TAGS = ("voxdiff.data_fingerprint",)
 
 
+class RunBest(NamedTuple):
+    """A run at its own convergence (convergence.best_point): its lowest val loss and its cost there."""
+    level: float
+    steps: float
+    samples: float
+    wall: float      # NaN when the run logged no wall time
+    at_end: bool     # the lowest window was the run's last: still falling, level and cost are bounds
+
+
+def run_best(r: RunData) -> RunBest | None:
+    best = best_point(r.val_loss)
+    if best is None:
+        return None
+    i = best.index
+    return RunBest(best.level, float(r.val_steps[i]), float(r.val_samples[i]), float(r.val_wall[i]), best.at_end)
+
+
 @dataclasses.dataclass
 class GroupSummary:
     key: str
@@ -56,6 +74,7 @@ class GroupSummary:
     eval: dict[str, list[float]]
     posthoc: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # phema_* and ema_sigma_rel
     plateau: list[float] = dataclasses.field(default_factory=list)  # last-quarter relative change per run
+    best: list[RunBest] = dataclasses.field(default_factory=list)   # each run at its lowest val loss
 
     @property
     def n(self) -> int:
@@ -140,6 +159,7 @@ def summarize_group(key: str, runs: list[RunData], target: float | None) -> Grou
         gns=[float(r.gns[-1]) for r in with_val if len(r.gns)],
         flattening=[r.metrics["val_flattening"] for r in with_val if "val_flattening" in r.metrics],
         plateau=[c for r in with_val if (c := plateau_change(r.val_steps, r.val_loss)) is not None],
+        best=[b for r in with_val if (b := run_best(r)) is not None],
         eval={k: [r.metrics[k] for r in with_val if k in r.metrics] for k in evals},
         posthoc=posthoc_metrics(with_val),
     )
