@@ -172,3 +172,9 @@ def test_best_point_finds_a_known_lowest_and_is_less_biased_than_the_lowest_vali
     falling = 0.03 + 0.1 * np.exp(-i / 20.0)
     assert best_point(falling).at_end and best_point(falling).index == len(i) - 1 - BEST_WINDOW // 2
     assert best_point(falling[:BEST_WINDOW - 1]) is None
+    holed = truth.copy()
+    holed[29] = np.nan  # a window holding a non-finite loss is never the lowest
+    assert best_point(holed).index not in range(29 - BEST_WINDOW // 2, 29 + BEST_WINDOW // 2 + 1)
+    assert best_point(np.full(10, np.nan)) is None
+    with pytest.raises(ValueError, match="odd"):
+        best_point(truth, window=4)

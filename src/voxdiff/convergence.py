@@ -108,11 +108,17 @@ def best_point(losses, window: int = BEST_WINDOW) -> BestPoint | None:
     """The lowest mean of `window` consecutive validations and where it lies. Why a window and not the
     lowest validation: the minimum of jittery validations is biased low by their jitter (it picks the
     deepest dip), by about one jitter's std for a few dozen validations on a flat curve; the mean of five
-    has sqrt(5) less. None with fewer validations than the window."""
+    has sqrt(5) less. The window is odd (its centre is a validation). A window holding a non-finite loss
+    is never the lowest; None with fewer validations than the window or no finite window."""
+    if window < 1 or window % 2 == 0:
+        raise ValueError(f"the window must be a positive odd number of validations, not {window}")
     losses = np.asarray(losses, float)
-    if window < 1 or len(losses) < window:
+    if len(losses) < window:
         return None
     means = np.convolve(losses, np.ones(window) / window, mode="valid")
+    means = np.where(np.isfinite(means), means, np.inf)
+    if not np.isfinite(means).any():
+        return None
     i = int(np.argmin(means))
     return BestPoint(float(means[i]), i + window // 2, i == len(means) - 1)
 

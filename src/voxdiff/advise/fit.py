@@ -324,7 +324,7 @@ def batch_progress(curves: list[BranchCurve], level: float, usable_from: float =
 @dataclasses.dataclass(frozen=True)
 class ProgressVerdict:
     target: float | None                  # the val loss every branch is timed to; None: none made progress
-    stalled: tuple[int, ...]              # batches, largest first, that made no measurable progress
+    stalled: tuple[int, ...]              # batches, largest first, that set no target (no measurable progress, or no gain)
     progress: dict[int, BatchProgress]    # each batch judged (the stalled ones and the one that set the target)
 
 

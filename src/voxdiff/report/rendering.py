@@ -246,7 +246,8 @@ def reading_section(groups: list[GroupSummary], runs: list[RunData], group_by: s
                      + ", ".join(f"{group_by}={g.key} ({sum(past_its_lowest(c) for c in g.plateau)}/{len(g.plateau)} "
                                  "runs)" for g in rising)
                      + ": past their lowest val loss (over-fitting or a spike), so their final val loss is above "
-                     "their plateau's level; compare them at their own best (the table above) and at the best post-hoc EMA.")
+                     "their plateau's level; compare them at their own best (the table \"At each setting's own "
+                     "best\") and at the best post-hoc EMA.")
     budgets = sorted({r.metrics["total_samples"] for r in runs if r.has_val and "total_samples" in r.metrics})
     if len(budgets) > 1:  # a step budget gives larger effective batches more samples: final losses not comparable
         lines.append(f"- Runs saw different numbers of samples ({budgets[0]:.0f}–{budgets[-1]:.0f}): final val "
@@ -443,7 +444,8 @@ def posthoc_table(groups: list[GroupSummary], group_by: str) -> list[str]:
 def best_table(groups: list[GroupSummary], group_by: str) -> list[str]:
     """Each setting at its own convergence: every run's lowest val loss (convergence.best_point) and the
     steps, samples and wall time it took to get there, as early stopping would keep it; the settings'
-    levels compared by Welch over seeds."""
+    levels compared by Welch over seeds, except a setting whose level is only a bound (a run still at its
+    lowest at its end could have gone lower)."""
     with_best = [g for g in groups if g.best]
     if not with_best:
         return []
@@ -451,22 +453,35 @@ def best_table(groups: list[GroupSummary], group_by: str) -> list[str]:
              f"Each run's lowest val loss, read as the lowest mean of {BEST_WINDOW} consecutive validations (the "
              "single lowest validation is biased low by the jitter: it picks the deepest dip), and the optimizer "
              "steps, samples and wall time at that window's centre: the settings compared at their own "
-             "convergence, as a user who stops each at its best would. Passed its lowest: runs whose lowest "
-             "window came before their last validations (k/n); in the others the loss was still at its lowest "
-             "at the end, so their level is an upper bound and their cost a lower bound.", "",
-             "| setting | runs | lowest val loss | steps at it | samples at it | wall time at it (s) | passed its lowest |",
+             "convergence, as a user who stops each at its best would. Lowest before the end: runs whose lowest "
+             "window came before their last one (k/n; on a flat, jittery plateau that is chance, not a rise: the "
+             "runs table's verdict says which rose); in the others the loss was lowest at the end, so their level "
+             f"is an upper bound and their cost a lower bound. Runs with fewer than {BEST_WINDOW} validations are "
+             "left out (runs: k/n).", "",
+             "| setting | runs | lowest val loss | steps at it | samples at it | wall time at it (s) | lowest before the end |",
              "|---|---|---|---|---|---|---|"]
+
+    def cell(values: list[float], spec: str, n: int) -> str:  # k/n when some runs lack the value
+        finite = [v for v in values if not math.isnan(v)]
+        return mean_std(finite, spec) + ("" if len(finite) == n else f" ({len(finite)}/{n})")
+
     for g in with_best:
-        walls = [b.wall for b in g.best if not math.isnan(b.wall)]
-        lines.append(f"| {group_by}={g.key} | {len(g.best)} | {mean_std([b.level for b in g.best], '.4g', '.2g')} | "
-                     f"{mean_std([b.steps for b in g.best], '.0f')} | {mean_std([b.samples for b in g.best], '.0f')} | "
-                     f"{mean_std(walls, '.0f')} | {sum(not b.at_end for b in g.best)}/{len(g.best)} |")
+        n = len(g.best)
+        runs = str(n) if n == g.n else f"{n}/{g.n}"
+        lines.append(f"| {group_by}={g.key} | {runs} | {mean_std([b.level for b in g.best], '.4g', '.2g')} | "
+                     f"{cell([b.steps for b in g.best], '.0f', n)} | {cell([b.samples for b in g.best], '.0f', n)} | "
+                     f"{cell([b.wall for b in g.best], '.0f', n)} | {sum(not b.at_end for b in g.best)}/{n} |")
     levels = {g.key: [b.level for b in g.best] for g in with_best}
     lowest = min(with_best, key=lambda g: np.mean(levels[g.key]))
     lines += ["", f"- Lowest val loss at its own best: **{group_by}={lowest.key}** "
               f"({mean_std(levels[lowest.key], '.4g', '.2g')})."]
-    lines += _verdicts([(f"{group_by}={g.key}", levels[g.key]) for g in with_best if g is not lowest],
+    bounded = [g for g in with_best if g is not lowest and any(b.at_end for b in g.best)]
+    lines += _verdicts([(f"{group_by}={g.key}", levels[g.key]) for g in with_best
+                        if g is not lowest and g not in bounded],
                        f"{group_by}={lowest.key}", levels[lowest.key], "lowest val loss")
+    lines += [f"- {group_by}={g.key}: lowest val loss {mean_std(levels[g.key], '.4g', '.2g')}, but "
+              f"{sum(b.at_end for b in g.best)}/{len(g.best)} of its runs were still at their lowest at the end: "
+              "an upper bound on its best, not compared." for g in bounded]
     return lines + [""]
 
 
