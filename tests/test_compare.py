@@ -541,6 +541,11 @@ def test_critical_batch_section_recovers_a_known_b_crit():
     assert any("Two effective batches only" in line for line in two)
     rows = [line.split(" | ") for line in two if line.startswith("| 0.")]
     assert rows and all(float(r[3].strip("*").split()[0]) == pytest.approx(3.0, rel=0.1) for r in rows)
+    # one seed at a batch size: the fit stands, but no interval is claimed (every resample is the run itself)
+    single = critical_batch_section(critical_runs(lambda b: 1 + 3.0 / b, [1.0], batches=(1, 2)))
+    rows = [line.split(" | ") for line in single if line.startswith("| 0.")]
+    assert rows and all(r[4] == "none: one run at a B" for r in rows)
+    assert all(float(r[3].split()[0].strip("*")) == pytest.approx(3.0, rel=0.1) for r in rows)
     one = critical_batch_section(critical_runs(lambda b: 1 + 3.0 / b, [1.0], batches=(4,)))
     assert any("needs 2 at least" in line for line in one)
 

@@ -109,7 +109,7 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None) ->
         else:
             b_cell, s_cell, e_cell = "unresolved: 0 (steps do not fall with B)", f"{fit.s_min:.3g}", "—"
         lines.append(f"| {target:.4g} | " + " | ".join(mean_std(v, ".0f") for v in steps.values())
-                     + f" | {b_cell} | {_bound(ci.lo)}–{_bound(ci.hi)} | {s_cell} | {e_cell} |")
+                     + f" | {b_cell} | {_interval(ci, by_batch)} | {s_cell} | {e_cell} |")
     lines += ["", "McCandlish et al. (2018) find B_crit growing as the loss falls (the rows run from the highest "
               "target down). Below B_crit, doubling B nearly halves the steps at little cost in samples; above "
               "it, steps barely fall while samples grow."]
@@ -177,8 +177,8 @@ def measured_vs_predicted(by_batch: dict[float, list[RunData]], measured: list) 
         at = [s for s in steps[min(by_batch)] if s is not None]
         share = float(np.mean(at)) / budget if at and budget > 0 else math.nan
         phase = f"{phase_of(share, 1.0)} ({100 * share:.0f} %)" if share == share else "—"
-        b_cell = (f"{fit.b_crit:.3g} [{_bound(ci.lo)}–{_bound(ci.hi)}]" if fit.resolved
-                  else f"{'∞' if fit.b_crit == math.inf else '0'} (unresolved) [{_bound(ci.lo)}–{_bound(ci.hi)}]")
+        b_cell = (f"{fit.b_crit:.3g} [{_interval(ci, by_batch)}]" if fit.resolved
+                  else f"{'∞' if fit.b_crit == math.inf else '0'} (unresolved) [{_interval(ci, by_batch)}]")
         lines.append(f"| {target:.4g} | {phase} | {b_cell} | " + _prediction_cells(every, target, fit)
                      + (" | " + _prediction_cells(every, target, fit, "marginal_adam") if adam else "") + " |")
     plateau = [plateau_level(r.val_steps, r.val_loss) for r in small]
@@ -210,6 +210,14 @@ def _prediction_cells(runs: list[RunData], level: float, fit, probe: str = "marg
 
 def _bound(v: float) -> str:
     return "∞" if v == math.inf else f"{v:.3g}"
+
+
+def _interval(ci, by_batch: dict) -> str:
+    """The bootstrap interval over seeds, or why there is none: with one run at a batch size every
+    resample is that run, and the 'interval' would be the point itself, a precision nobody measured."""
+    if min(len(rs) for rs in by_batch.values()) < 2:
+        return "none: one run at a B"
+    return f"{_bound(ci.lo)}–{_bound(ci.hi)}"
 
 
 def _not_measurable(g: GroupSummary) -> str | None:
