@@ -330,6 +330,84 @@ def test_report_from_the_archive_equals_the_report_from_mlflow(store, tmp_path):
     assert str(tmp_path) not in from_archive
 
 
+def test_thin_histories_keeps_per_step_metrics_at_the_other_histories_steps_and_their_last():
+    from voxdiff.report.loading import THINNED, thin_histories
+    from voxdiff.tracking.runs import METRIC_KEYS
+
+    row = lambda step, v=0.0: [step, 2.0 * step, 0.5 * step, v]  # noqa: E731
+    per_step = lambda: [row(s, 1 / s) for s in range(1, 100)]  # noqa: E731  (99 steps: 99 is no anchor)
+    histories = {"lr": per_step(), "train_loss": per_step(), "gns": per_step(),
+                 "val_loss": [row(s) for s in range(10, 91, 10)],
+                 "gns_marginal": [row(25), row(75)],
+                 "system/cpu_utilization_percentage": [row(s) for s in range(0, 60)],
+                 "final_val_loss": [row(0)]}
+    thin = thin_histories(histories, max_rows=15)
+    assert [r[0] for r in thin["lr"]] == [1, 10, 20, 25, 30, 40, 50, 60, 70, 75, 80, 90, 99]  # first and last too
+    # Kept whole: the train loss (its means over stretches of single draws need every step), the noise
+    # scale (plotted), the rest (logged at anchors anyway); system metrics' own steps are no anchors.
+    for key in ("train_loss", "gns", "val_loss", "gns_marginal", "system/cpu_utilization_percentage"):
+        assert thin[key] == histories[key]
+    assert thin_histories(histories, max_rows=99) == histories  # negative control: no run long enough
+    # Every per-step metric the trainer logs is either thinned or kept whole on purpose.
+    from voxdiff.report.loading import KEPT_WHOLE
+    assert set(THINNED) | set(KEPT_WHOLE) == set(METRIC_KEYS) - {"val_loss"}
+
+
+def test_a_thinned_run_reads_the_same_as_the_full_one():
+    """The figures compare reads from an archived run (RunData) are the same from the thinned record,
+    on a run whose wall time grows irregularly, whose peak memory dips after a resume and whose probes
+    sit between validations: interpolation at the validations and probes stays exact."""
+    import numpy as np
+
+    from voxdiff.report.loading import record_to_run, thin_histories
+
+    rng = np.random.default_rng(0)
+    steps = np.arange(1, 1001)
+    wall = np.cumsum(rng.uniform(0.1, 2.0, len(steps)))
+    rows = lambda values, at=steps: [[int(s), 2.0 * s, float(wall[s - 1]), float(v)] for s, v in zip(at, values)]  # noqa: E731
+    memory = np.where(steps < 600, 900.0 + steps / 10, 800.0)  # a resume's process starts lower
+    val_at, probe_at = steps[49::50], np.array([123, 456, 789])
+    histories = {"samples_seen": rows(2.0 * steps), "wall_time": rows(wall), "lr": rows(np.full(1000, 1e-3)),
+                 "peak_memory_mb": [[0, None, None, float(memory.max())]] + rows(memory),
+                 "gns": rows(rng.uniform(1, 3, 1000)), "train_loss": rows(rng.uniform(0, 1, 1000)),
+                 "val_loss": rows(np.exp(-val_at / 300), val_at),
+                 **{k: rows(rng.uniform(0.1, 5, 3), probe_at) for k in ("gns_marginal", "gns_marginal_lo",
+                                                                         "gns_marginal_hi", "gns_t0")}}
+    record = {"run_id": "r", "params": {"effective_batch_size": "2"}, "tags": {}, "metrics": {},
+              "histories": histories}
+    thin = dict(record, histories=thin_histories(histories, max_rows=100))
+    assert len(thin["histories"]["wall_time"]) == 1 + len(val_at) + len(probe_at) < 100  # the last step validated
+    full, short = record_to_run(record), record_to_run(thin)
+    for field in ("val_steps", "val_loss", "val_samples", "val_wall", "gns_samples", "gns", "peak_memory_mb"):
+        assert np.array_equal(getattr(full, field), getattr(short, field)), field
+    for a, b in zip(full.marginal_gns + full.bucket_gns["gns_t0"], short.marginal_gns + short.bucket_gns["gns_t0"]):
+        assert np.array_equal(a, b, equal_nan=True)
+    # Negative control: keeping the per-step metrics at every 100th step instead moves the wall time read
+    # at the validations.
+    coarse = {k: [r for r in v if r[0] % 100 == 0] if k in ("wall_time", "samples_seen") else v
+              for k, v in histories.items()}
+    assert not np.array_equal(record_to_run(dict(record, histories=coarse)).val_wall, full.val_wall)
+
+
+def test_a_thinned_archive_rebuilds_the_same_report(store, tmp_path):
+    """Export thins a long run's per-step metrics: the report from it is the report from the full export."""
+    import json
+
+    from voxdiff.report.loading import open_client, write_archive
+
+    uri, _, _ = store
+    full = write_archive(open_client(uri), "clear", None, uri, tmp_path / "full", max_rows=10_000)
+    thin = write_archive(open_client(uri), "clear", None, uri, tmp_path / "thin", max_rows=64)
+    rows = lambda paths, key: sum(len(json.loads(p.read_text())["histories"].get(key, [])) for p in paths)  # noqa: E731
+    assert rows(thin, "wall_time") < 0.5 * rows(full, "wall_time")  # thinned to the validations
+    assert rows(thin, "train_loss") == rows(full, "train_loss") and rows(thin, "val_loss") == rows(full, "val_loss")
+    assert {json.loads(p.read_text())["thinned_above_rows"] for p in thin} == {64}
+    reports = [compare_runs(None, None, tmp_path / name / "report.md", runs_dir=tmp_path / name,
+                            root=tmp_path).report_path.read_text().replace(f"`{name}`", "`runs`")
+               for name in ("full", "thin")]
+    assert reports[0] == reports[1]
+
+
 def test_committed_archive_fixture_rebuilds_its_report_byte_for_byte(tmp_path):
     """tests/fixtures/archive holds exported runs and the report made from them: the CLI, with no MLflow
     store anywhere, must rebuild it exactly (regenerate with tests/fixtures/make_archive.py)."""
