@@ -178,3 +178,20 @@ def test_best_point_finds_a_known_lowest_and_is_less_biased_than_the_lowest_vali
     assert best_point(np.full(10, np.nan)) is None
     with pytest.raises(ValueError, match="odd"):
         best_point(truth, window=4)
+
+
+def test_training_summary_logs_early_stoppings_point_from_its_validation_history():
+    """train's own_best_* figures are best_point of the run's validations, at the step and samples of
+    the window's centre; a run still falling at its end reads at_end 1; too few validations: None."""
+    from voxdiff.training.train import own_best_figures
+
+    i = np.arange(40)
+    u = 0.03 + 0.02 * ((i - 25) / 25.0) ** 2
+    history = [{"step": 32 * (n + 1), "samples_seen": 64 * (n + 1), "val_loss": float(v)} for n, v in enumerate(u)]
+    got = own_best_figures(history)
+    assert got == {"own_best_val_loss": pytest.approx(np.mean(u[23:28])), "own_best_step": 32 * 26,
+                   "own_best_samples": 64 * 26, "own_best_at_end": 0}
+    falling = [dict(h, val_loss=0.03 + 0.1 * math.exp(-n / 10)) for n, h in enumerate(history)]
+    assert own_best_figures(falling)["own_best_at_end"] == 1
+    assert own_best_figures(falling)["own_best_step"] == history[-1 - BEST_WINDOW // 2]["step"]
+    assert set(own_best_figures(history[:BEST_WINDOW - 1]).values()) == {None}

@@ -19,11 +19,11 @@ differs between experiments as a 32-character hash. Hence evaluate depends on th
               diversity   MS-SSIM between samples of one label map (1 = identical); diversity_ref: the same
                           for two images of one built-in label map (absent for your data)
 
-Everything else (best val loss, optimizer steps, clip fraction, the plateau's change and level, post-hoc
-EMA, noise scale, timings, each floor, per-tissue figures, the MLflow run id, checksums) is in
-metrics/train_detail.json and metrics/eval_detail.json under the names MLflow uses: plain DVC outputs
-(cache: false), not metrics, read by `voxdiff metrics` and by anyone who wants every field; the same
-names are in MLflow and in `voxdiff compare`.
+Everything else (best val loss, early stopping's point (own_best_*), optimizer steps, clip fraction, the
+plateau's change and level, post-hoc EMA, noise scale, timings, each floor, per-tissue figures, the MLflow
+run id, checksums) is in metrics/train_detail.json and metrics/eval_detail.json under the names MLflow
+uses: plain DVC outputs (cache: false), not metrics, read by `voxdiff metrics` and by anyone who wants
+every field; the same names are in MLflow and in `voxdiff compare`.
 """
 
 from __future__ import annotations

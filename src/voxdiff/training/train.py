@@ -201,7 +201,7 @@ def log_final(tracker: RunTracker, trainer: Trainer, summary: dict, out: dict[st
     tracker.log_summary(
         {k: v for k, v in summary.items()
          if k.startswith(("final_", "total_", "effective_", "peak_", "val_flattening", "phema_", "ema_sigma",
-                          "clip_fraction", "plateau_", "compile_"))},
+                          "clip_fraction", "plateau_", "own_best_", "compile_"))},
         artifacts=[out["detail"], out["plot"], root / "params.yaml", root / "data" / "processed" / "preview.png"],
         tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"],
               "voxdiff.checkpoint_path": str(out["checkpoint"].relative_to(root))})
@@ -246,6 +246,7 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
         "final_val_loss": final_val, "best_val_loss": min(h["val_loss"] for h in val),
         "val_flattening": flattening([h["samples_seen"] for h in val], [h["val_loss"] for h in val]),
         **plateau_figures([h["step"] for h in val], [h["val_loss"] for h in val]),
+        **own_best_figures(val),
         "final_train_loss": sum(window_means) / len(window_means),
         "total_steps": c.step, "total_samples": c.samples_seen, "total_wall_time": c.wall_time,
         "samples_per_s": c.samples_seen / max(c.wall_time, 1e-9),
@@ -274,6 +275,21 @@ def plateau_figures(steps: list[int], losses: list[float]) -> dict:
     reached = convergence.reached_plateau(change)
     return {"plateau_change": change, "plateau_reached": None if reached is None else int(reached),
             "plateau_val_loss": convergence.plateau_level(steps, losses)}
+
+
+def own_best_figures(val: list[dict]) -> dict:
+    """Where early stopping would have kept the run (convergence.best_point, the figure of compare's
+    own-best table): the lowest mean of consecutive validations, the step and samples at its centre, and
+    1 when that window is the last (still at its lowest at the end: the level is an upper bound). None
+    with fewer validations than the window."""
+    from voxdiff import convergence
+
+    best = convergence.best_point([h["val_loss"] for h in val])
+    if best is None:
+        return dict.fromkeys(("own_best_val_loss", "own_best_step", "own_best_samples", "own_best_at_end"))
+    at = val[best.index]
+    return {"own_best_val_loss": best.level, "own_best_step": at["step"], "own_best_samples": at["samples_seen"],
+            "own_best_at_end": int(best.at_end)}
 
 
 def flattening(samples: list[int], losses: list[float]) -> float | None:
