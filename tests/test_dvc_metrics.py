@@ -13,7 +13,7 @@ from voxdiff.tracking import dvc_metrics
 SUMMARY = {"final_val_loss": 0.0341, "best_val_loss": 0.0339, "plateau_reached": 1, "plateau_change": -0.004,
            "total_samples": 1536, "total_steps": 768, "samples_per_s": 3.46, "clip_fraction": 0.12,
            "effective_batch_size": 2, "gns": None, "gns_note": "not measurable", "mlflow_run_id": "abc",
-           "checkpoint_sha256": "0123456789abcdef" * 4}
+           "checkpoint_sha256": "0123456789abcdef" * 4, "own_best_val_loss": 0.0335, "own_best_step": 704}
 EVAL = {"eval_ssim": 0.85, "eval_ssim_floor_noise": 0.01, "eval_ssim_floor_tissue_mean": 0.77, "eval_psnr": 20.5,
         "eval_psnr_floor_noise": 5.0, "eval_psnr_floor_tissue_mean": 18.0, "eval_msssim_samples": 0.95,
         "eval_diversity_reference": 0.96, "eval_w1_csf": 0.1}
@@ -42,6 +42,11 @@ def test_voxdiff_metrics_reads_the_detail_files(tmp_path):
     assert res.exit_code == 0, res.output
     assert "best val loss" in res.output and "0.0339" in res.output and "optimizer steps" in res.output
     assert "floors: noise 0.01, tissue-mean 0.77" in res.output and "(not measurable)" in res.output
+    # early stopping's point, its window named from convergence.BEST_WINDOW
+    from voxdiff.convergence import BEST_WINDOW
+    lines = res.output.splitlines()
+    best = next(i for i, line in enumerate(lines) if f"lowest {BEST_WINDOW}-validation mean" in line)
+    assert lines[best].endswith("0.0335") and lines[best + 1].split() == ["at", "optimizer", "step", "704"]
 
 
 def test_voxdiff_metrics_reads_a_workspace_from_before_the_split(tmp_path):

@@ -164,7 +164,7 @@ SUMMARY_ROWS = (
     ("train.json", "total_steps", "optimizer steps"),
     ("train.json", "final_val_loss", "val loss (EMA, fixed draws)"),
     ("train.json", "best_val_loss", "best val loss (lowest validation)"),
-    ("train.json", "own_best_val_loss", "lowest 5-validation mean (early stopping)"),
+    ("train.json", "own_best_val_loss", "lowest {window}-validation mean (early stopping)"),
     ("train.json", "own_best_step", "  at optimizer step"),
     ("train.json", "val_flattening", "val-loss flattening (last / first quarter's gain)"),
     ("train.json", "final_train_loss", "train loss (last 10% of steps)"),
@@ -190,6 +190,7 @@ def metrics(root):
     """Print the main figures of the last run (metrics/train_detail.json and metrics/eval_detail.json,
     which hold every field); `dvc exp show --only-changed` compares experiments on the few figures of
     metrics/train.json and metrics/eval.json."""
+    from voxdiff.convergence import BEST_WINDOW
     from voxdiff.fsutil import repo_root
     from voxdiff.tracking import dvc_metrics
 
@@ -206,7 +207,7 @@ def metrics(root):
         floors = [loaded[name].get(f"{key}_floor_{f}") for f in ("noise", "tissue_mean")]
         if None not in floors:
             shown += f"   (floors: noise {floors[0]:.4g}, tissue-mean {floors[1]:.4g})"
-        click.echo(f"  {label:<45} {shown}")
+        click.echo(f"  {label.format(window=BEST_WINDOW):<45} {shown}")
     note = loaded["train.json"].get("gns_note")
     if note:
         click.echo(f"  ({note})")
