@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import click
@@ -223,14 +222,14 @@ def _echo_result(result: CompareResult) -> None:
 @click.option("--full-histories", is_flag=True,
               help=f"Keep every row of the per-step metrics. By default, in a run of more than {THIN_ABOVE_ROWS} "
                    "steps, lr, wall time, samples seen, grad norm and the like are kept at the validation "
-                   "and probe steps and their last row (the train loss, val loss and noise scale whole): the "
+                   "and probe steps and their first and last row (the train loss, val loss and noise scale whole): the "
                    "reports need no more, and a 16,384-step run's file takes 2 MB instead of 6-9.")
 def export_command(experiment, tracking_uri, filter_string, out_dir, full_histories):
     """Export finished training runs (params, tags, metric histories) to an archive folder that
     `voxdiff compare --runs FOLDER` reads without MLflow: publish and share a study as text."""
     experiment, tracking_uri = _store_defaults(experiment, tracking_uri)
     written = write_archive(open_client(tracking_uri), experiment, filter_string, tracking_uri, Path(out_dir),
-                            max_rows=sys.maxsize if full_histories else THIN_ABOVE_ROWS)
+                            max_rows=None if full_histories else THIN_ABOVE_ROWS)
     click.echo(f"exported {len(written)} run(s) of experiment {experiment!r} to {out_dir}")
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from voxdiff.errors import VoxdiffError
+from voxdiff.tracking.runs import METRIC_KEYS
 
 TRAIN_KIND = "train"
 ARCHIVE_FORMAT = "voxdiff-run/1"
@@ -20,9 +20,8 @@ ADAM_KEYS = ("gns_marginal_adam", "gns_marginal_adam_lo", "gns_marginal_adam_hi"
 # steps of the other histories (thin_histories) once a run is longer than THIN_ABOVE_ROWS steps: a 16,384-
 # step run's file would otherwise hold 16,384 rows of each (6-9 MB; thinned 2 MB); the study's archive:
 # 64 -> 20 MB. The train loss and the noise scale stay whole (see thin_histories).
-THINNED = ("grad_norm", "lr", "samples_seen", "wall_time", "samples_per_s", "peak_memory_mb", "gns_grad_sq",
-           "gns_trace", "ema_halflife")
 KEPT_WHOLE = ("train_loss", "gns")
+THINNED = tuple(k for k in METRIC_KEYS if k not in KEPT_WHOLE + ("val_loss",))
 THIN_ABOVE_ROWS = 512
 SYSTEM_PREFIX = "system/"  # MLflow's system metrics count their own steps, not optimizer steps
 
@@ -183,16 +182,19 @@ def shareable_tags(tags: dict) -> dict:
     return {k: v for k, v in sorted(tags.items()) if k.startswith("voxdiff.") or k == "mlflow.runName"}
 
 
-def thin_histories(histories: dict[str, list], max_rows: int = THIN_ABOVE_ROWS) -> dict[str, list]:
+def thin_histories(histories: dict[str, list], max_rows: int | None = THIN_ABOVE_ROWS) -> dict[str, list]:
     """Archive rows ([step, samples, wall, value]) with each per-step metric of THINNED that has more than
-    max_rows rows kept only at the anchors, the steps at which anything that is not a per-step metric was
-    logged (validations, probes) and step 0 (the summary's figures), and at its own first and last row.
-    The reports read those metrics only there: samples and wall time at each validation and probe (so
-    their interpolation stays exact; samples seen, linear in the step, also in between and from the first
-    step on, where the noise scale is plotted), the peak memory's maximum (the summary logs it at step 0). Kept whole: the train loss, whose per-step
-    values are single draws (one timestep each) that only a mean over every step of a stretch reads (is a
-    run fitting its training set?), and the noise scale, which the reports plot; everything else is logged
-    at anchors or is MLflow's system metrics (every 10 s, on their own step count)."""
+    max_rows rows (None: never) kept only at the anchors, the steps at which anything that is not a
+    per-step metric was logged (validations, probes) and step 0 (the summary's figures), and at its own
+    first and last row. The reports read those metrics only there: samples and wall time at each
+    validation and probe (so their interpolation stays exact; samples seen, linear in the step, also in
+    between and from the first step on, where the noise scale is plotted), the peak memory's maximum (the
+    summary logs it at step 0). Kept whole: the train loss, whose per-step values are single draws (one
+    timestep each) that only a mean over every step of a stretch reads (is a run fitting its training
+    set?), and the noise scale, which the reports plot; everything else is logged at anchors or is
+    MLflow's system metrics (every 10 s, on their own step count)."""
+    if max_rows is None:
+        return histories
     per_step = set(THINNED + KEPT_WHOLE)
     anchors = {0} | {row[0] for key, rows in histories.items()
                      if key not in per_step and not key.startswith(SYSTEM_PREFIX) for row in rows}
@@ -200,7 +202,7 @@ def thin_histories(histories: dict[str, list], max_rows: int = THIN_ABOVE_ROWS) 
             if key in THINNED and len(rows) > max_rows else rows for key, rows in histories.items()}
 
 
-def export_record(client, run, experiment: str, max_rows: int = THIN_ABOVE_ROWS) -> dict:
+def export_record(client, run, experiment: str, max_rows: int | None = THIN_ABOVE_ROWS) -> dict:
     """One run as an archive record: params as dotted keys, tags, latest metrics, and every metric
     history as [step, samples_seen, wall_time, value] rows (samples_seen/wall_time at that step, or null),
     the per-step ones of a long run thinned (thin_histories)."""
@@ -214,7 +216,7 @@ def export_record(client, run, experiment: str, max_rows: int = THIN_ABOVE_ROWS)
         "status": run.info.status, "start_time": run.info.start_time, "params": dict(sorted(run.data.params.items())),
         "tags": shareable_tags(run.data.tags), "metrics": dict(sorted(run.data.metrics.items())),
         "histories": thin_histories(rows, max_rows),
-        "thinned_above_rows": max_rows if max_rows < sys.maxsize else None,  # per-step metrics thinned past it
+        "thinned_above_rows": max_rows,  # per-step metrics thinned past it (None: every row kept)
     }
 
 
@@ -318,7 +320,7 @@ def archive_text(record: dict) -> str:
 
 
 def write_archive(client, experiment: str, filter_string: str | None, tracking_uri: str, folder: Path,
-                  max_rows: int = THIN_ABOVE_ROWS) -> list[Path]:
+                  max_rows: int | None = THIN_ABOVE_ROWS) -> list[Path]:
     """Export every finished training run of the experiment to folder/<run id>.json (atomically)."""
 
     from voxdiff.fsutil import write_text
