@@ -46,3 +46,21 @@ def test_failure_mid_run_only_warns(tiny_root):
         tracker.finish()
     assert tracker.failed
     assert any("training continues" in str(w.message) for w in caught)
+
+
+def test_each_metric_is_sent_once_per_step(tiny_root, monkeypatch):
+    """gns_trace (a METRIC_KEYS key) starts with gns_t like the probe's per-bucket keys (gns_t0, gns_t0_lo
+    ...): it must be in a step's batch once, and every probe key with it. The batch sent to the real SQLite
+    store is read on its way (MLflow's store drops exact duplicates, so the run itself cannot show it)."""
+    p = make_params()
+    tracker = RunTracker.start(p, tiny_root, resume_run_id="", tags={}, extra_params={})
+    sent = []
+    real = tracker.client.log_batch
+    monkeypatch.setattr(tracker.client, "log_batch", lambda run_id, **kw: (sent.extend(kw.get("metrics", [])),
+                                                                         real(run_id, **kw))[1])
+    tracker.log_history([{"step": 1, "train_loss": 0.5, "val_loss": None, "gns_trace": 3.0, "gns_grad_sq": 2.0,
+                          "gns_t0": 7.0, "gns_t0_lo": 6.0, "gns_t12_hi": 9.0, "gns_marginal": 8.0}])
+    keys = [m.key for m in sent]
+    assert len(keys) == len(set(keys)), sorted(keys)
+    assert {"gns_trace", "gns_grad_sq", "gns_t0", "gns_t0_lo", "gns_t12_hi", "gns_marginal"} <= set(keys)
+    tracker.finish()

@@ -34,6 +34,12 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 METRIC_KEYS = ("train_loss", "val_loss", "grad_norm", "lr", "samples_seen", "wall_time", "samples_per_s",
                "peak_memory_mb", "gns", "gns_grad_sq", "gns_trace", "ema_halflife")
 
+
+def is_probe_key(key: str) -> bool:
+    """The noise-scale probe's history keys: gns_t<bucket>... and gns_marginal...; the digit keeps
+    METRIC_KEYS' gns_trace out (a bare `gns_t` prefix matched it, and it was sent twice each step)."""
+    return key.startswith("gns_marginal") or (key.startswith("gns_t") and key[5:6].isdigit())
+
 # MLflow error codes that the same request will get again (a rejected value, a deleted run): retrying
 # them would block everything queued behind. A SQLite store's OperationalError (locked, disk full)
 # arrives as TEMPORARILY_UNAVAILABLE and a lost connection as INTERNAL_ERROR: both are retried.
@@ -313,7 +319,7 @@ class RunTracker:
                 continue
             ts = int(1000 * h.get("timestamp", 0)) or 0  # the record's time: a resend is the same point
             metrics = [Metric(key, float(h[key]), ts, int(h["step"]))
-                       for key in METRIC_KEYS + tuple(k for k in h if k.startswith(("gns_t", "gns_marginal")))
+                       for key in METRIC_KEYS + tuple(k for k in h if is_probe_key(k))
                        if h.get(key) is not None and math.isfinite(h[key])]
             metrics += [Metric(k, float(v), ts, int(h["step"])) for k, v in val_axis_metrics(h).items()]  # views.py
             if batch and len(batch) + len(metrics) > 1000:  # MLflow accepts at most 1000 metrics per batch
