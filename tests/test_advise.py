@@ -648,3 +648,30 @@ def test_an_unbounded_branch_interval_gives_no_multi_device_advice():
     text = _sentence(fit.reconcile(wide, 0.288), wide, cost, one, one, None, True)
     assert "use micro-batch 4 with accumulate_every 1" in text and "not measured" in text
     assert "worth it" not in text
+
+
+def test_advise_sets_the_backends_as_training_does(tmp_path, monkeypatch):
+    """advise's speed sweep and branches must run on the kernels training runs on (cudnn.benchmark, TF32,
+    train.deterministic: distributed.configure_backends), set before anything is measured. The real
+    function is called (a no-op on the CPU) and what it was given recorded; measuring is stopped at its
+    start, which is all this test needs."""
+    from voxdiff.advise import command
+    from voxdiff.training import distributed
+
+    make_project(tmp_path, {"train.tf32": False, "train.deterministic": True})
+    calls, real = [], distributed.configure_backends
+    monkeypatch.setattr(distributed, "configure_backends", lambda *a, **kw: (calls.append((a, kw)), real(*a, **kw))[1])
+
+    class Measuring(Exception):
+        pass
+
+    def measure_all(opts, inputs, plan, rt, echo):
+        calls.append("measure")
+        raise Measuring
+
+    monkeypatch.setattr(command, "measure_all", measure_all)
+    with pytest.raises(Measuring):
+        advise(tmp_path, log=False)
+    assert len(calls) == 2 and calls[1] == "measure", calls
+    (device, *flags), kw = calls[0]
+    assert device == torch.device("cpu") and [*flags, *kw.values()] == [False, True]

@@ -257,12 +257,16 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
 def run_advise(opts: AdviseOptions, echo=None):
     """Check every input, measure (memory/speed, noise scale, branches), conclude, write and log: the Advice."""
     from voxdiff.advise import report
-    from voxdiff.training.distributed import init_runtime
+    from voxdiff.training.distributed import configure_backends, init_runtime
 
     echo = echo or (lambda s: click.echo(s, err=True))
     inputs = check_inputs(opts)
     plan = make_plan(opts, inputs)
-    rt = init_runtime(inputs.params.train.device, inputs.params.train.precision)
+    t = inputs.params.train
+    rt = init_runtime(t.device, t.precision)
+    # The kernels training runs on (cudnn.benchmark, TF32, train.deterministic), before any CUDA matmul:
+    # samples/s and the branches measured on PyTorch's defaults would advise on another setup.
+    configure_backends(rt.device, t.tf32, t.deterministic)
     advice = conclude(opts, inputs, plan, measure_all(opts, inputs, plan, rt, echo), rt)
     advice.files = report.write_outputs(advice, inputs.out)
     if inputs.tracking is not None:
@@ -396,7 +400,7 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
 
     Writes reports/advise.md, .json and .png, and logs them to MLflow as a run tagged with the training
     run it advises on. Nothing under models/ is written. The demo's advice took 3 minutes on 2 CPU
-    cores, 4 with --from-scratch (README: "What should I set accumulate_every to?").
+    cores, 4 with --from-scratch (docs/advise.md).
     """
     opts = AdviseOptions(root=root, params_path=params_path, checkpoint=checkpoint,
                          world_sizes=_ints(world_sizes, "--world-sizes"), budget_samples=budget_samples,
@@ -411,18 +415,70 @@ def advise_command(root, params_path, checkpoint, world_sizes, budget_samples, b
 
 
 def summary(a) -> str:
-    """The terminal's lines: the two B_crit readings, the recommendation, where the files are."""
-    b, m = a.branch, a.noise.marginal
-    rec = a.recommended
-    lines = ["critical batch (branches): not measurable, the checkpoint is at a plateau" if b.plateau else
-             f"critical batch (branches): {_fmt(b.b_crit)} ({b.level:.0%} interval {_fmt(b.lo)}–{_fmt(b.hi)})",
-             f"noise scale B_simple:      {_fmt(m.value)} ({a.noise.level:.0%} interval {_fmt(m.lo)}–{_fmt(m.hi)})",
-             a.verdict.sentence]
-    if rec is not None:
-        lines.append(f"recommended: micro-batch {rec.setting.micro}, accumulate_every {rec.setting.accumulate}, "
-                     f"world size {rec.setting.world}")
-    lines += [a.sentence, f"report: {a.files[0]} (+ .json, .png)" + (f", MLflow run {a.run_id}" if a.run_id else "")]
+    """The terminal's lines, at most 8 (tests/test_advise.py counts them): the recommendation, what the current
+    setting costs against it, B_crit as the branches measured it, the noise scale, the report. The reasoning
+    (which estimate the table uses and why, the notes) is in the report."""
+    rec, cur, b, m = a.recommended, a.current, a.branch, a.noise.marginal
+    lines = [f"recommended: micro-batch {rec.setting.micro}, accumulate_every {rec.setting.accumulate}, "
+             f"world size {rec.setting.world}" if rec is not None else "recommended: none (nothing ran)"]
+    lines += _current_lines(a)
+    lines.append(f"B_crit:      {_b_crit_text(b)}")
+    noise = (f"B_simple {_fmt(m.value)} ({a.noise.level:.0%} interval {_fmt(m.lo)}–{_fmt(m.hi)})"
+             if m.value is not None else "B_simple not resolved" + (f" (at least {_fmt(m.lo)})" if m.lo else ""))
+    uses = {"noise scale": "it", "branches": "the branches"}.get(a.verdict.trusted, "neither: memory and speed only")
+    lines.append(f"noise scale: {noise}; the table uses {uses}")
+    lines.append(f"report:      {_shown(a.files[0])} (+ .json, .png: the reasoning)"
+                 + (f", MLflow run {a.run_id}" if a.run_id else ""))
     return "\n".join(lines)
+
+
+def _current_lines(a) -> list[str]:
+    """What the current setting costs against the recommendation (minutes, samples) and, when it
+    accumulates, against accumulate_every 1 at its own micro-batch (samples and steps, over B_crit's interval)."""
+    cur, rec, cost = a.current, a.recommended, a.cost
+    head = f"current:     micro-batch {cur.micro}, accumulate_every {cur.accumulate}"
+    if rec is not None and rec.setting == cur:
+        return [head + ": the recommendation itself"]
+    mine = next((c for c in a.table if c.setting == cur), None)
+    against = []
+    if mine is not None and rec is not None and mine.minutes and rec.minutes:
+        against.append(f"{mine.minutes / rec.minutes:.2g}x the recommendation's minutes")
+    if mine is not None and rec is not None and mine.samples_rel and rec.samples_rel:
+        against.append(f"{mine.samples_rel / rec.samples_rel:.2g}x its samples")
+    lines = [head + (": " + ", ".join(against) + (";" if cur.accumulate > 1 else "") if against else "")]
+    if cur.accumulate > 1:
+        e, (lo, hi) = cost.samples_vs_accumulate_1, cost.samples_vs_accumulate_1_range
+        if e is None:
+            lines.append(f"             against accumulate_every 1: B_crit unknown, so between 1x and {cur.accumulate}x "
+                         "the samples")
+        else:
+            spread = f" ({lo:.2g}-{hi:.2g}x over its interval)" if lo is not None else ""
+            steps = f", {cost.steps_vs_accumulate_1:.2g}x the steps" if cost.steps_vs_accumulate_1 else ""
+            lines.append(f"             against accumulate_every 1: ~{e:.2g}x the samples{spread}{steps}")
+    elif not against:
+        lines[0] += ": accumulate_every 1 already takes the fewest samples at this micro-batch"
+    return lines
+
+
+def _b_crit_text(b) -> str:
+    """B_crit as the branches measured it: a value, a bound or a plateau, with its interval."""
+    interval = f"{b.level:.0%} interval {_fmt(b.lo)}–{_fmt(b.hi)}"
+    if b.status == "plateau":
+        return "plateau: no branch batch made measurable progress at this lr (not measurable here)"
+    if b.status == "measured":
+        return f"{_fmt(b.b_crit)} ({interval}), measured by the branches" + ("" if b.reliable else ", not pinned down")
+    if b.status == "bound":
+        side, batch = ("below", min(b.fitted_batches)) if b.b_crit == 0 else ("above", max(b.fitted_batches))
+        return f"{side} {batch}, the {'smallest' if side == 'below' else 'largest'} batch fitted ({interval}): a bound"
+    return f"not measured by the branches ({b.status})"
+
+
+def _shown(path) -> str:
+    """A path as the user typed it: relative to the current directory when it lies below it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _fmt(x) -> str:
