@@ -99,9 +99,35 @@ def test_state_dict_round_trips_through_weights_only_checkpoint():
     buf = io.BytesIO()
     torch.save({"gns": gns.state_dict()}, buf)
     buf.seek(0)
-    restored = GradientNoiseScale()
+    restored = GradientNoiseScale(gns.beta)
     restored.load_state_dict(torch.load(buf, weights_only=True)["gns"])
     assert (restored.value, restored.steps, restored.beta) == (gns.value, gns.steps, gns.beta)
+
+
+def test_a_changed_smoothing_applies_after_a_restore():
+    """train.gns_smoothing is measurement-only: a resume with another value goes on with the new beta (it
+    used to take the checkpoint's), and the bias correction stays exact across the change: it divides by
+    1 - the product of the betas in force at each update, computed here by hand."""
+    steps = [(3.0, 2.5), (5.0, 3.0), (4.0, 1.0), (6.0, 2.0), (2.5, 2.0)]  # (small |g|^2, big |G|^2), B 1 -> 2
+    old = GradientNoiseScale(0.9)
+    for small, big in steps[:3]:
+        old.update([small], 1, big, 2)
+    new = GradientNoiseScale(0.5)
+    new.load_state_dict(old.state_dict())
+    assert new.beta == 0.5 and new.value == pytest.approx(old.value)  # nothing measured yet with the new beta
+    for small, big in steps[3:]:
+        new.update([small], 1, big, 2)
+    g = t = 0.0
+    prod = 1.0
+    for (small, big), beta in zip(steps, (0.9, 0.9, 0.9, 0.5, 0.5)):
+        g, t, prod = beta * g + (1 - beta) * (2 * big - small), beta * t + (1 - beta) * 2 * (small - big), prod * beta
+    assert new.grad_sq == pytest.approx(g / (1 - prod)) and new.trace == pytest.approx(t / (1 - prod))
+    assert new.steps == 5
+    # A checkpoint written before the product was stored: it is beta ** steps of its own beta.
+    legacy = {k: v for k, v in old.state_dict().items() if k != "decay"}
+    again = GradientNoiseScale(0.5)
+    again.load_state_dict(legacy)
+    assert again.value == pytest.approx(old.value) and again.beta == 0.5
 
 
 def test_critical_batch_tradeoff_and_balanced_accumulation():

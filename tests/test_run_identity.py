@@ -122,6 +122,22 @@ def test_changed_measurement_key_resumes_and_is_recorded(tiny_root, monkeypatch)
     assert summary["measurement_changed_at_steps"] == [2] and summary["total_steps"] == 4
 
 
+def test_changed_gns_smoothing_is_applied_after_a_resume(tiny_root, monkeypatch):
+    """issue 36 item 3: the resumed run's noise-scale EMA uses the train.gns_smoothing in force (the change
+    is recorded as applied), not the checkpoint's."""
+    real_step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if self.counters.step == 2 else real_step(self))
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params({**SHORT, "train.gns_smoothing": 0.9}), tiny_root, progress=False)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert checkpoint(tiny_root)["gns"]["beta"] == 0.9
+    run_training(make_params({**SHORT, "train.gns_smoothing": 0.5}), tiny_root, progress=False)
+    done = checkpoint(tiny_root)
+    assert done["finished"] and done["measurement_changes"] == [{"step": 2, "keys": ["gns_smoothing"]}]
+    assert done["gns"]["beta"] == 0.5
+
+
 # --- item 9: a resume cannot switch precision -----------------------------------------------------------
 def test_resume_in_another_precision_is_refused(tiny_root, monkeypatch):
     bf16 = trainer_for(tiny_root, precision="bf16")

@@ -30,6 +30,9 @@ class GradientNoiseScale:
         self._grad_sq_ema = 0.0
         self._trace_ema = 0.0
         self._steps = 0
+        # Product of the betas of every update so far: the bias correction divides by 1 - it, which stays
+        # exact when train.gns_smoothing changes at a resume (beta ** steps would not).
+        self._decay = 1.0
 
     def update(self, small_sq_norms: Sequence[float], b_small: float, big_sq_norm: float,
                b_big: float) -> None:
@@ -48,10 +51,11 @@ class GradientNoiseScale:
         self._grad_sq_ema = self.beta * self._grad_sq_ema + (1.0 - self.beta) * grad_sq
         self._trace_ema = self.beta * self._trace_ema + (1.0 - self.beta) * trace
         self._steps += 1
+        self._decay *= self.beta
 
     def _debiased(self, ema: float) -> float | None:
         # Adam-style bias correction: the EMA starts at 0, so early values would be shrunk towards it.
-        return ema / (1.0 - self.beta ** self._steps) if self._steps else None
+        return ema / (1.0 - self._decay) if self._steps else None
 
     @property
     def grad_sq(self) -> float | None:
@@ -79,16 +83,18 @@ class GradientNoiseScale:
     def state_dict(self) -> dict:
         # Plain floats/ints only: checkpoints are read with torch.load(weights_only=True).
         return {"beta": self.beta, "grad_sq_ema": float(self._grad_sq_ema),
-                "trace_ema": float(self._trace_ema), "steps": int(self._steps)}
+                "trace_ema": float(self._trace_ema), "steps": int(self._steps), "decay": float(self._decay)}
 
     def load_state_dict(self, state: dict) -> None:
         missing = {"beta", "grad_sq_ema", "trace_ema", "steps"} - set(state)
         if missing:
             raise KeyError(f"gradient noise scale state lacks {sorted(missing)}")
-        self.beta = float(state["beta"])
+        # self.beta stays the one configured now: train.gns_smoothing is measurement-only, so a changed
+        # value applies from the resume on (the checkpoint's beta only rebuilds an older state's decay).
         self._grad_sq_ema = float(state["grad_sq_ema"])
         self._trace_ema = float(state["trace_ema"])
         self._steps = int(state["steps"])
+        self._decay = float(state.get("decay", float(state["beta"]) ** self._steps))
 
 
 def not_measurable_reason(accumulate_every: int, world_size: int) -> str | None:
