@@ -393,6 +393,38 @@ def test_batch_progress_is_a_line_through_the_validations_with_its_standard_erro
     assert fit.batch_progress([], 0.9) == fit.BatchProgress(0.0, 0.0, None)
 
 
+def advice_of(curves, current=fit.Setting(1, 2, 1), b_noise=0.3):
+    """A report.Advice from these branch curves, a noise scale of b_noise [0.1, 0.6] and a two-row speed sweep,
+    concluded as command.conclude does: the outputs' fixture, without measuring anything."""
+    from voxdiff.advise import command
+
+    noise = measure.NoiseReading(measure.Estimate(b_noise, 0.1, 0.6), [((0, 500), measure.Estimate(0.2, 0.1, 0.5))],
+                                 32, 0.9)
+    plan = measure.BranchPlan((1, 2, 4, 8), (0, 1), 128, 0, 8, {1: 1, 2: 1, 4: 1, 8: 1}, 1e-3, 8, 4.0, -2.0)
+    branch = fit.fit_branches(curves, n_boot=50)
+    verdict = fit.reconcile(branch, b_noise, 0.1)
+    speed = [fit.SpeedRow(1, 10.0, 100.0), fit.SpeedRow(2, 16.0, 150.0)]
+    table = fit.candidates(verdict.law, speed, (1, 2), (1, 2), current, 600)
+    one = fit.recommend(table, world=1)
+    vague = fit.uninformative(branch, verdict) or branch.plateau
+    best, worth = (one, None) if vague else (fit.recommend(table), fit.devices_worth_it(table))
+    cost = fit.current_cost(verdict.law, table, current, one,
+                            (branch.lo, branch.hi) if verdict.trusted == "branches" else (0.1, 0.6))
+    return report.Advice("a test", {"samples_seen": 100, "step": 50}, "cpu", "fp32", current, 600, speed, noise,
+                         plan, curves, branch, verdict, table, best, one, worth, cost,
+                         command._sentence(verdict, branch, cost, one, best, worth, vague), {"branches": 1.0}, 100, 10,
+                         [])
+
+
+LAW_AT = tuple(range(0, 136, 8))
+
+
+def flat_curves():
+    """The law's curves shrunk 1000x under validation jitter of std 0.002: no batch makes measurable progress."""
+    return [jittered(dataclasses.replace(c, losses=tuple(1.0 + (x - 1.0) / 1000 for x in c.losses)), 0.002, c.seed)
+            for c in (law_curve(b, s, at=LAW_AT) for b in (1, 2, 4, 8) for s in (0, 1))]
+
+
 def test_a_plateau_reads_as_one_in_every_output(tmp_path):
     """The plateau verdict through as_json, the Markdown, the terminal summary and the figure: status
     'plateau', b_crit_branch null (JSON without NaN), 'not measurable' in the table and the summary, every
@@ -400,27 +432,8 @@ def test_a_plateau_reads_as_one_in_every_output(tmp_path):
     noise scale. Control: the law's own curves read as a number in the same outputs."""
     from voxdiff.advise import command
 
-    at = tuple(range(0, 136, 8))
-    law = [law_curve(b, s, at=at) for b in (1, 2, 4, 8) for s in (0, 1)]
-    flat = [jittered(dataclasses.replace(c, losses=tuple(1.0 + (x - 1.0) / 1000 for x in c.losses)), 0.002, c.seed)
-            for c in law]
-
-    def advice(curves):
-        noise = measure.NoiseReading(measure.Estimate(0.3, 0.1, 0.6), [((0, 500), measure.Estimate(0.2, 0.1, 0.5))],
-                                     32, 0.9)
-        plan = measure.BranchPlan((1, 2, 4, 8), (0, 1), 128, 0, 8, {1: 1, 2: 1, 4: 1, 8: 1}, 1e-3, 8, 4.0, -2.0)
-        branch = fit.fit_branches(curves, n_boot=50)
-        verdict = fit.reconcile(branch, 0.3, 0.1)
-        speed = [fit.SpeedRow(1, 10.0, 100.0), fit.SpeedRow(2, 16.0, 150.0)]
-        current = fit.Setting(1, 2, 1)
-        table = fit.candidates(verdict.law, speed, (1, 2), (1, 2), current, 600)
-        one, best = fit.recommend(table, world=1), fit.recommend(table)
-        cost = fit.current_cost(verdict.law, table, current, one, (0.1, 0.6))
-        return report.Advice("a test", {"samples_seen": 100, "step": 50}, "cpu", "fp32", current, 600, speed, noise,
-                             plan, curves, branch, verdict, table, best, one, 1, cost,
-                             command._sentence(verdict, branch, cost, one, best, 1), {"branches": 1.0}, 100, 10, [])
-
-    a = advice(flat)
+    law = [law_curve(b, s, at=LAW_AT) for b in (1, 2, 4, 8) for s in (0, 1)]
+    a = advice_of(flat_curves())
     data = json.loads(json.dumps(report.as_json(a), allow_nan=False))
     assert data["b_crit_branch_status"] == "plateau" and data["b_crit_branch"] is None
     assert data["trusted"] == "noise scale" and data["b_crit_used"] == 0.3 and data["recommended"]
@@ -429,15 +442,59 @@ def test_a_plateau_reads_as_one_in_every_output(tmp_path):
     assert "not measurable" in row and "interval" not in row
     assert md.count("not fitted (plateau)") + md.count("no measurable progress: left out") == 4
     lines = command.summary(dataclasses.replace(a, files=[tmp_path / "advise.md"])).splitlines()
-    assert lines[0].endswith("not measurable, the checkpoint is at a plateau") and "plateau" in a.sentence
+    b_crit = next(line for line in lines if line.startswith("B_crit:"))
+    assert "plateau" in b_crit and "not measurable" in b_crit and "interval" not in b_crit and "plateau" in a.sentence
     plateau_sentence = command._sentence(a.verdict, a.branch, a.cost, a.recommended_one_device, a.recommended, 1, True)
     assert "what more devices buy is not measured (no batch makes progress" in plateau_sentence
     report.figure(a, tmp_path / "advise.png")
     assert (tmp_path / "advise.png").stat().st_size > 0
-    control = advice(law)
+    control = advice_of(law)
     assert report.as_json(control)["b_crit_branch_status"] == "measured"
-    assert command.summary(dataclasses.replace(control, files=[tmp_path / "x.md"])).splitlines()[0].startswith(
-        "critical batch (branches): 3")
+    lines = command.summary(dataclasses.replace(control, files=[tmp_path / "x.md"])).splitlines()
+    assert next(line for line in lines if line.startswith("B_crit:")).startswith("B_crit:      3")
+
+
+def test_the_console_summary_is_at_most_8_short_lines(tmp_path, monkeypatch):
+    """`voxdiff advise` prints at most 8 lines, each short enough for a terminal (the report path's line
+    aside): the recommendation, what the current setting costs against it, B_crit as measured (value, bound
+    or plateau) with its interval, the noise scale, the report. The reasoning (the verdict's and the
+    recommendation's sentences) is in the report, not on the terminal. Checked for a plateau, a measured
+    B_crit, a bound, a current setting without accumulation, one that is the recommendation itself and a
+    noise scale that is not resolved."""
+    from voxdiff.advise import command
+
+    monkeypatch.chdir(tmp_path)
+    law = [law_curve(b, s, at=LAW_AT) for b in (1, 2, 4, 8) for s in (0, 1)]
+    bound = [fit.BranchCurve(b, s, 1, LAW_AT, tuple(1.0 - 0.001 * (1 + 0.01 * s) / (1 + 0.1 * b) * e / b for e in LAW_AT))
+             for b in (1, 2, 4, 8) for s in (0, 1)]
+    cases = {"plateau": advice_of(flat_curves()), "measured": advice_of(law), "bound": advice_of(bound),
+             "accumulate 1": advice_of(law, current=fit.Setting(2, 1, 1)),
+             "the recommendation": advice_of(bound, current=fit.Setting(1, 1, 1)),
+             "no noise scale": advice_of(flat_curves(), b_noise=None)}
+    labels = ("recommended:", "current:", "B_crit:", "noise scale:", "report:")
+    for name, a in cases.items():
+        a = dataclasses.replace(a, files=[tmp_path / "reports" / "advise.md"], run_id="0123456789abcdef0123456789abcdef")
+        text = command.summary(a)
+        lines = text.splitlines()
+        assert len(lines) <= 8, (name, text)
+        assert all(len(line) <= 110 for line in lines[:-1]), (name, text)
+        assert [next(i for i, line in enumerate(lines) if line.startswith(label)) for label in labels] == sorted(
+            next(i for i, line in enumerate(lines) if line.startswith(label)) for label in labels), (name, text)
+        assert lines[-1] == ("report:      reports/advise.md (+ .json, .png: the reasoning), MLflow run "
+                             "0123456789abcdef0123456789abcdef"), (name, text)
+        assert a.sentence not in text and a.verdict.sentence not in text, name
+    lines = {name: command.summary(dataclasses.replace(a, files=[tmp_path / "advise.md"])).splitlines()
+             for name, a in cases.items()}
+    assert lines["measured"][0] == "recommended: micro-batch 2, accumulate_every 1, world size 2"
+    assert lines["measured"][1].startswith("current:     micro-batch 1, accumulate_every 2: 2.3x the recommendation's")
+    assert lines["measured"][2].startswith("             against accumulate_every 1: ~") and "x the steps" in lines["measured"][2]
+    assert "(90% interval " in lines["measured"][3] and "measured by the branches" in lines["measured"][3]
+    assert lines["bound"][3].startswith("B_crit:      below 1, the smallest batch fitted (90% interval 0–0)")
+    assert lines["plateau"][4].startswith("noise scale: B_simple 0.3 (90% interval 0.1–0.6); the table uses it")
+    assert lines["no noise scale"][-2] == ("noise scale: B_simple not resolved (at least 0.1); the table uses neither: "
+                                           "memory and speed only")
+    assert len(lines["accumulate 1"]) == 5 and "against accumulate_every 1" not in "\n".join(lines["accumulate 1"])
+    assert lines["the recommendation"][1].endswith("the recommendation itself")
 
 
 def test_a_bound_that_every_replicate_keeps_is_a_bound_not_a_wide_interval():
@@ -527,7 +584,7 @@ def test_advise_cli_writes_json_markdown_figure_and_an_mlflow_run(tmp_path):
     assert data["checkpoint"]["mlflow_run_id"] == trained
     assert (tmp_path / "reports" / "advise.png").stat().st_size > 0
     assert "Recommended: micro-batch" in (tmp_path / "reports" / "advise.md").read_text()
-    assert "recommended: micro-batch" in res.stdout
+    assert "recommended: micro-batch" in res.stdout and len(res.stdout.splitlines()) <= 8, res.stdout
     runs = client.search_runs([exp], "tags.`voxdiff.kind` = 'advise'")
     assert len(runs) == 1 and runs[0].data.tags["voxdiff.advised_run"] == trained
     assert runs[0].data.tags["mlflow.parentRunId"] == trained
