@@ -13,6 +13,10 @@ export PATH := $(BIN):$(PATH)
 TRY_EXP := $(BIN)/dvc exp run -S train.accumulate_every=4
 TRY_COMPARE := $(BIN)/voxdiff compare --out reports/compare.md
 MLFLOW_UI := $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
+# What to commit to make the demo's run the baseline experiments are compared to: DVC's convention, the
+# lock file and the `cache: false` metrics and plots the pipeline writes (models, data and samples are
+# DVC outputs, ignored by git). tests/test_e2e_dvc.py runs it and checks that nothing is left untracked.
+BASELINE := git add dvc.lock metrics plots && git commit -m "demo baseline"
 
 .PHONY: demo test bench sweep study study-report ui-shot doctor lock clean-outputs help
 
@@ -40,6 +44,7 @@ demo: $(STAMP)
 	@echo; echo "Open MLflow:  $(MLFLOW_UI)   (then http://127.0.0.1:5000, experiment voxdiff:"
 	@echo "             Views (top right) > 'accumulate_every at equal samples (voxdiff)', then the chart button)"
 	@echo "Look at:     plots/eval/*.png (generated volumes next to the real one), plots/convergence.png"
+	@echo 'Baseline:    $(BASELINE)   (what dvc exp show and dvc plots diff compare experiments to)'
 	@echo "Try:         $(TRY_EXP)   and   $(TRY_COMPARE)"
 
 test: $(STAMP)

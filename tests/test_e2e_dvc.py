@@ -53,6 +53,9 @@ def make_repo(path: Path, overrides: dict | None = None) -> Path:
     for name in ("dvc.yaml", ".gitignore", ".dvcignore", "Makefile"):
         if (REPO / name).exists():
             shutil.copy(REPO / name, path / name)
+    for name in baseline_files():  # what a clone holds of the committed baseline: dvc.lock, metrics, plots
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, path / name)
     (path / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**E2E, **(overrides or {})}), sort_keys=False))
     sh(path, "git", "init", "-q", "-b", "main")
     sh(path, "dvc", "init", "-q")
@@ -60,6 +63,14 @@ def make_repo(path: Path, overrides: dict | None = None) -> Path:
     sh(path, "git", "add", "-A")
     sh(path, "git", "commit", "-qm", "init")
     return path
+
+
+def baseline_files() -> list[str]:
+    """The committed baseline's files in this checkout (git ls-files: dvc.lock and the pipeline's `cache: false`
+    metrics and plots), which a fresh clone has before `make demo` rewrites them."""
+    out = subprocess.run(["git", "ls-files", "--", "dvc.lock", "metrics", "plots"], cwd=REPO, capture_output=True,
+                         text=True)
+    return [name for name in out.stdout.splitlines() if (REPO / name).is_file()] if out.returncode == 0 else []
 
 
 def run_queue(repo: Path, grid: str, jobs: int, timeout_s: float = 600) -> None:
@@ -95,8 +106,10 @@ def without_venv(path: str) -> str:
 
 
 def make_variable(repo: Path, name: str) -> str:
-    """A variable of the repo's Makefile, as `make demo` prints it."""
-    return sh(repo, "make", "-s", "--no-print-directory", "--eval", "print-%: ; @echo $($*)", f"print-{name}").stdout.strip()
+    """A variable of the repo's Makefile, as `make demo` prints it (printed in single quotes: BASELINE holds
+    `&& git commit`, which an unquoted echo would run)."""
+    return sh(repo, "make", "-s", "--no-print-directory", "--eval", "print-%: ; @printf '%s\\n' '$($*)'",
+              f"print-{name}").stdout.strip()
 
 
 def show_width(repo: Path, *args: str) -> tuple[int, str]:
@@ -126,6 +139,15 @@ def test_pipeline_repro_experiments_and_queue(tmp_path):
     client, runs = mlflow_runs(repo)
     assert len(runs) == 1 and runs[0].info.run_id == train["mlflow_run_id"]
     assert "eval_ssim" in runs[0].data.metrics  # evaluate logged into the training's run
+
+    # 1b. The workspace as `make demo` leaves a fresh clone: nothing untracked, and what changed is what DVC's
+    # convention commits (dvc.lock, the `cache: false` metrics and plots); the line `make demo` prints to make
+    # this the baseline (Makefile BASELINE), run verbatim, leaves nothing to commit.
+    status = sh(repo, "git", "status", "--porcelain", "--untracked-files=all").stdout.splitlines()
+    assert not [line for line in status if line.startswith("??")], status
+    assert status and all(line[3:].startswith(("dvc.lock", "metrics/", "plots/")) for line in status), status
+    sh(repo, "bash", "-c", make_variable(repo, "BASELINE"))
+    assert sh(repo, "git", "status", "--porcelain", "--untracked-files=all").stdout == ""
 
     # 2. Nothing changed: nothing reruns.
     again = sh(repo, "dvc", "repro")
