@@ -64,3 +64,74 @@ def test_each_metric_is_sent_once_per_step(tiny_root, monkeypatch):
     assert len(keys) == len(set(keys)), sorted(keys)
     assert {"gns_trace", "gns_grad_sq", "gns_t0", "gns_t0_lo", "gns_t12_hi", "gns_marginal"} <= set(keys)
     tracker.finish()
+
+
+# --- issue 36 item 5: the logged EMA model loads where voxdiff is not importable ------------------------
+LOAD_WITHOUT_VOXDIFF = r"""
+import importlib.abc, json, sys
+
+class NoVoxdiff(importlib.abc.MetaPathFinder):  # a machine with torch, monai and mlflow only
+    def find_spec(self, name, path=None, target=None):
+        if name == "voxdiff" or name.startswith("voxdiff."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, NoVoxdiff())
+try:
+    import voxdiff  # noqa: F401
+    raise SystemExit("the blocker let voxdiff through")
+except ModuleNotFoundError:
+    pass
+import mlflow, torch
+
+net = mlflow.pytorch.load_model(sys.argv[1])
+meta = mlflow.models.get_model_info(sys.argv[1]).metadata
+x = torch.load(sys.argv[2])
+with torch.no_grad():
+    out = net(x, timesteps=torch.tensor([7]))
+torch.save(out, sys.argv[3])
+requirements = open(mlflow.pyfunc.get_model_dependencies(sys.argv[1])).read().split()
+print(json.dumps({"classes": sorted({type(m).__module__.split(".")[0] for m in net.modules()}),
+                  "requirements": [r.split("==")[0] for r in requirements], "num_classes": meta["num_classes"]}))
+"""
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_logged_ema_model_loads_without_voxdiff(tiny_root, activation_checkpointing):
+    """The EMA model in a real SQLite store loads and gives the training network's output in a process where
+    `import voxdiff` fails: its pickle names only classes of its declared requirements (torch, MONAI, einops;
+    no BatchOneConv3d, no wrapper of activation checkpointing), while the network trained with stays routed
+    to oneDNN."""
+    import json
+
+    import torch
+    from torch.optim.swa_utils import AveragedModel
+
+    from voxdiff.diffusion.cpu_conv import BatchOneConv3d
+    from voxdiff.diffusion.model import build_network
+
+    p = make_params({"model.activation_checkpointing": activation_checkpointing})
+    torch.manual_seed(0)
+    net = build_network(p.model, 3)
+    with torch.no_grad():
+        for q in net.parameters():
+            q.normal_(0, 0.05)  # MONAI zero-initialises the output convolution: make the output say something
+    ema = AveragedModel(net, use_buffers=True).module  # as the trainer's EMA (a deep copy of the network)
+    x = torch.randn(1, 4, 16, 16, 16)
+    with torch.no_grad():
+        expected = ema(x, timesteps=torch.tensor([7]))
+    tracker = RunTracker.start(p, tiny_root, resume_run_id="", tags={}, extra_params={})
+    tracker.log_model(ema, {"num_classes": 3})
+    assert tracker.finish() and not tracker.failed
+    assert sum(isinstance(m, BatchOneConv3d) for m in ema.modules()) > 0  # training's network is untouched
+
+    torch.save(x, tiny_root / "x.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_VOXDIFF, f"runs:/{tracker.run_id}/ema_model",
+                          str(tiny_root / "x.pt"), str(tiny_root / "y.pt")],
+                         capture_output=True, text=True, env=env, cwd=tiny_root, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    # every package the pickle names is a declared requirement (MONAI's attention is einops' Rearrange)
+    assert set(found["classes"]) <= set(found["requirements"]) and found["num_classes"] == 3
+    assert torch.allclose(torch.load(tiny_root / "y.pt"), expected, atol=1e-6)

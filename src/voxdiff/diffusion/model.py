@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from monai.inferers import DiffusionInferer
 from monai.networks.nets import DiffusionModelUNet
 from monai.networks.schedulers import DDPMScheduler
 
-from voxdiff.diffusion.cpu_conv import route_batch_one_convolutions
+from voxdiff.diffusion.cpu_conv import plain_convolutions, route_batch_one_convolutions
 from voxdiff.params import Diffusion, Model
 
 
@@ -52,6 +54,17 @@ def enable_activation_checkpointing(net: torch.nn.Module) -> None:
             return checkpoint(_plain, *args, use_reentrant=False, **kwargs)
 
         block.forward = forward
+
+
+def portable_network(net: torch.nn.Module) -> torch.nn.Module:
+    """A CPU copy of `net` made of MONAI and torch classes only (MLflow's pickled model): the convolutions
+    back to torch.nn.Conv3d (cpu_conv.plain_convolutions) and no activation checkpointing (an inference
+    needs none), so it loads where voxdiff is not installed. `net` itself is left as it is."""
+    plain = copy.deepcopy(net).to("cpu")
+    plain_convolutions(plain)
+    for module in plain.modules():
+        module.__dict__.pop("forward", None)  # enable_activation_checkpointing's wrapper: the class's forward
+    return plain
 
 
 def build_scheduler(diffusion: Diffusion) -> DDPMScheduler:

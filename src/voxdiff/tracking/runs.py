@@ -392,13 +392,19 @@ class RunTracker:
 
     def log_model(self, net, metadata: dict, name: str = "ema_model") -> None:
         """The EMA network as an MLflow PyTorch model (mlflow.pytorch.load_model loads it back), with
-        what a user needs to run it in its metadata: label values, preprocessing, diffusion settings."""
+        what a user needs to run it in its metadata: label values, preprocessing, diffusion settings.
+        What is pickled is a CPU copy of plain MONAI/torch modules (model.portable_network): the
+        requirements below are all it needs, voxdiff included nowhere."""
+        import einops
         import mlflow
         import monai
         import torch
 
+        from voxdiff.diffusion.model import portable_network
+
         if self._present is not None and self._present["model"]:
             return
+        net = portable_network(net)  # now: the caller's network goes on training after this call
 
         def send():
             mlflow.set_tracking_uri(self.uri)
@@ -408,9 +414,11 @@ class RunTracker:
                 # Explicit requirements: MLflow would otherwise infer them by importing the model (slow).
                 # Pickle, not MLflow 3's default 'pt2' (a traced export that needs an input example
                 # and would fix the grid): the network takes any grid its levels divide.
+                # einops: MONAI's attention blocks hold its Rearrange layer, and MONAI does not require it.
                 mlflow.pytorch.log_model(net, name=name, metadata=metadata, serialization_format="pickle",
                                          pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
-                                                           f"monai=={monai.__version__}"])
+                                                           f"monai=={monai.__version__}",
+                                                           f"einops=={einops.__version__}"])
 
         self._queue("model", "the EMA model", send)
 

@@ -132,6 +132,7 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
 
     c = trainer.counters
     monitor = bar = None
+    interrupt = GracefulInterrupt()  # bound before the try: its except reads interrupt.at_boundary
     try:  # from here on every way out ends the MLflow run (FINISHED, KILLED or FAILED)
         if tracker:
             publish_training_view(tracker.client, tracker.run_id)  # the MLflow UI's comparison (tracking/views.py)
@@ -143,8 +144,9 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
             if params.mlflow.system_metrics:
                 monitor = tracker.start_system_metrics(params.mlflow.system_metrics_interval_s)
         bar = make_bar(rt, budget.total_steps, c.step, progress)
-        with GracefulInterrupt() as interrupt:
+        with interrupt:
             while c.step < budget.total_steps:
+                interrupt.at_boundary = False
                 before = c.samples_seen
                 record = trainer.train_step()
                 record["timestamp"] = time.time()
@@ -156,13 +158,21 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
                 if due(c.step, params.train.checkpoint_every, budget.total_steps) and not last:
                     save(finished=False)
                 if interrupt.requested(rt):
+                    interrupt.at_boundary = True
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
-        # Reached only at a window boundary with the step's record kept (GracefulInterrupt defers
-        # the first Ctrl-C or SIGTERM), so the resumed run continues exactly where this one stopped.
+        # Saved only at a window boundary with the step's record kept (GracefulInterrupt defers the
+        # first Ctrl-C or SIGTERM), so the resumed run continues exactly where this one stopped. A
+        # KeyboardInterrupt raised anywhere else (a second Ctrl-C) may fall between the optimizer's step
+        # and the counters': saving then would write new weights under old counters over the last good
+        # checkpoint, so that one is kept.
         try:
-            save(finished=False)
-            say(rt, f"interrupted: checkpoint saved at step {c.step}; rerun the stage to resume")
+            if interrupt.at_boundary:
+                save(finished=False)
+                say(rt, f"interrupted: checkpoint saved at step {c.step}; rerun the stage to resume")
+            else:
+                say(rt, "interrupted mid-step (a second Ctrl-C): nothing saved, the last checkpoint is kept; "
+                        "rerun the stage to resume from it")
         finally:  # a checkpoint that cannot be written (ENOSPC) still ends the run
             if tracker:
                 tracker.finish("KILLED")
@@ -331,9 +341,9 @@ class GracefulInterrupt:
     to the end of the current optimizer step.
 
     The handler only sets a flag; the loop checks it after the step's record and checkpoint are done
-    and then raises KeyboardInterrupt, so the saved state is a clean window boundary. A second signal
-    of the same kind acts at once (the previous handler is back). Under DDP the flag is summed over
-    ranks, so all ranks stop at the same step.
+    and then raises KeyboardInterrupt, so the saved state is a clean window boundary (`at_boundary`).
+    A second signal of the same kind acts at once (the previous handler is back), wherever the step is,
+    so nothing is saved then. Under DDP the flag is summed over ranks, so all ranks stop at the same step.
     """
 
     SIGNALS = ("SIGINT", "SIGTERM")
@@ -341,6 +351,7 @@ class GracefulInterrupt:
     def __init__(self):
         self.flag = False
         self.previous: dict = {}
+        self.at_boundary = True  # False while a step is under way (the loop sets it)
 
     def __enter__(self):
         import signal
