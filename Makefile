@@ -18,7 +18,7 @@ MLFLOW_UI := $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 # DVC outputs, ignored by git). tests/test_e2e_dvc.py runs it and checks that nothing is left untracked.
 BASELINE := git add dvc.lock metrics plots && git commit -m "demo baseline"
 
-.PHONY: demo test bench sweep study study-report ui-shot doctor lock clean-outputs help
+.PHONY: demo test bench sweep study study-report ui-shot doctor docs lock clean-outputs help
 
 help:
 	@echo "make demo   - set up .venv, run the pipeline (dvc repro) on the built-in data, show metrics"
@@ -29,6 +29,7 @@ help:
 	@echo "make study-report - rebuild docs/study/*.md from the archive alone (no MLflow needed)"
 	@echo "make ui-shot - screenshot of the MLflow UI's run comparison (headless Chromium) -> docs/mlflow-compare.png"
 	@echo "make doctor - device, precision, versions, tracking store (for bug reports)"
+	@echo "make docs   - regenerate docs/params.md from params.py's schema and params.yaml's comments"
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,6 +70,9 @@ ui-shot: $(STAMP)
 
 doctor: $(STAMP)
 	$(BIN)/voxdiff doctor
+
+docs: $(STAMP)
+	$(BIN)/python -m voxdiff.paramsdoc --out docs/params.md
 
 lock:
 	$(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu/torch==\1/' > requirements.lock.new
