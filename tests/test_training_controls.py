@@ -202,6 +202,43 @@ def test_ctrl_c_during_validation_resumes_exactly(tiny_root, tmp_path, monkeypat
     assert math.isfinite(done["history"][-1]["val_loss"])
 
 
+def test_second_ctrl_c_mid_step_keeps_the_last_good_checkpoint(tiny_root, tmp_path, monkeypatch):
+    """Two SIGINTs land right after optimizer step 3 moved the weights, before its counters advance (issue
+    36 item 6): the first is deferred, the second acts at once. The checkpoint on disk must stay the step-2
+    one, byte for byte (saving there wrote new weights under old counters, and the resumed run stepped them
+    twice), and the rerun must end bit for bit where an uninterrupted run ends."""
+    cfg = {"train.max_samples": 12, "train.batch_size": 1, "train.accumulate_every": 2,
+           "train.val_every_samples": 4, "train.checkpoint_every": 2}
+    ref_root = tmp_path / "ref"
+    ref_root.mkdir()
+    (ref_root / "data").symlink_to(tiny_root / "data")
+    run_training(make_params(cfg), ref_root, progress=False)
+    ref = torch.load(ref_root / "models" / "checkpoint.pt", weights_only=True)
+
+    ckpt = tiny_root / "models" / "checkpoint.pt"
+    real_step = Trainer.optimizer_step
+    good = {}
+
+    def torn(self, n_window):
+        out = real_step(self, n_window)
+        if self.counters.step == 2:  # step 3's update is applied; counters still say 2
+            good["bytes"] = ckpt.read_bytes()  # the periodic checkpoint of step 2
+            os.kill(os.getpid(), signal.SIGINT)  # deferred to the step's end
+            os.kill(os.getpid(), signal.SIGINT)  # the previous handler is back: KeyboardInterrupt here
+        return out
+
+    monkeypatch.setattr(Trainer, "optimizer_step", torn)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params(cfg), tiny_root, progress=False)
+    assert ckpt.read_bytes() == good["bytes"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.setattr(Trainer, "optimizer_step", real_step)
+    run_training(make_params(cfg), tiny_root, progress=False)
+    done = torch.load(ckpt, weights_only=True)
+    assert done["step"] == ref["step"] == 6
+    assert all(torch.equal(ref["model"][k], done["model"][k]) for k in ref["model"])
+
+
 def test_flattening_compares_last_and_first_quarter_gains():
     from voxdiff.training.train import flattening
 
