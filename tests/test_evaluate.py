@@ -78,6 +78,7 @@ def untrained_copy(root: Path, params, dest: Path) -> Path:
     state.pop("format_version")
     torch.manual_seed(params.seed)
     state["ema"] = AveragedModel(build_network(params.model, state["num_classes"]), use_buffers=True).state_dict()
+    state.pop("best", None)  # no best point kept: evaluate reads the (untrained) final weights
     state["mlflow_run_id"] = ""
     checkpoint.save(dest / "models" / "checkpoint.pt", state)
     return dest

@@ -18,6 +18,7 @@ def report(root: Path, params=None) -> list[tuple[str, str]]:
     requested = params.train.device if params else "auto"
     lines = [("voxdiff", __version__), ("python", platform.python_version()),
              ("platform", f"{platform.system()} {platform.machine()}")]
+    device = None
     try:
         device = pick_device(requested)
         dtype, why = auto_precision(device)
@@ -32,10 +33,28 @@ def report(root: Path, params=None) -> list[tuple[str, str]]:
     lines.append(("cpu", f"{os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}, "
                          f"capability {torch.backends.cpu.get_cpu_capability()}, "
                          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}"))
+    lines.append(("bf16 conv3d", bf16_convolutions(params, device)))
     for name in ("torch", "monai", "mlflow", "dvc", "nibabel", "numpy", "nvidia-ml-py"):
         lines.append((name, _version(name)))
     lines += tracking_lines(root, params)
     return lines
+
+
+def bf16_convolutions(params, device) -> str:
+    """Whether bf16 conv3d gives fp32's numbers on this CPU at every convolution shape of params.yaml's
+    network on its grid (diffusion/bf16_check.py: PyTorch issue 169688, AMX). Seconds at 128^3. Run where
+    the network's convolutions would run on the CPU; never raises."""
+    if params is None:
+        return "not checked: no params.yaml (the check needs the network and its grid)"
+    if device is not None and device.type != "cpu":
+        return f"not checked: the network runs on {device} (the fault is in oneDNN's CPU kernel)"
+    from voxdiff.diffusion import bf16_check
+
+    try:
+        grid = list(params.preprocess.shape)
+        return bf16_check.summary(bf16_check.check_network(params.model, len(params.data.label_values), grid), grid)
+    except Exception as e:  # an unusual build of PyTorch without bf16 convolutions is itself worth reporting
+        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def gpu_lines() -> list[tuple[str, str]]:

@@ -131,6 +131,7 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "manifest": text(),
         "label_values": int_list(lo=0, unique_sorted=True),
         "val_subjects": integer(1),
+        "train_subjects": integer(0),
     },
     "preprocess": {
         "spacing": number_list(3, 0.0),
@@ -187,12 +188,14 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "phema_sigma_rels": sigma_rels(2),
         "phema_snapshots": integer(1),
         "phema_eval_sigma_rels": sigma_rels(1),
+        "early_stop_patience_samples": integer(0),
     },
     "evaluate": {
         "subjects": integer(0),
         "samples_per_condition": integer(1),
         "sampling_steps": integer(1),
         "ancestral": boolean,
+        "checkpoint": choice("best", "final"),
     },
     "mlflow": {
         "experiment": text(allow_empty=False),
@@ -215,6 +218,7 @@ class Data:
     manifest: str
     label_values: tuple[int, ...]
     val_subjects: int
+    train_subjects: int
 
     @property
     def builtin(self) -> bool:
@@ -287,6 +291,7 @@ class Train:
     phema_sigma_rels: tuple[float, ...]
     phema_snapshots: int
     phema_eval_sigma_rels: tuple[float, ...]
+    early_stop_patience_samples: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +300,7 @@ class Evaluate:
     samples_per_condition: int
     sampling_steps: int
     ancestral: bool
+    checkpoint: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,6 +418,10 @@ def _cross_checks(p: Params) -> None:
     if d.builtin and d.val_subjects >= d.subjects:
         raise ParamsError(f"params.yaml: data.val_subjects ({d.val_subjects}) must be smaller than "
                           f"data.subjects ({d.subjects}) so that some subjects are left to train on")
+    if d.builtin and d.train_subjects > d.subjects - d.val_subjects:
+        raise ParamsError(f"params.yaml: data.train_subjects ({d.train_subjects}) exceeds the "
+                          f"{d.subjects - d.val_subjects} training subjects (data.subjects {d.subjects} less "
+                          f"data.val_subjects {d.val_subjects})")
 
 
 class _Yaml12Floats(yaml.SafeLoader):

@@ -43,6 +43,44 @@ class ProcessedCache:
         """Row indices of the cache in the given split ("train" or "val"), in manifest order."""
         return np.array([s["index"] for s in self.subjects if s["split"] == split], dtype=np.int64)
 
+    def training_rows(self, count: int, seed: int) -> np.ndarray:
+        """The first `count` training rows (0 = all) by a seeded rank of their subject ids, in manifest order.
+
+        Nested: the N subjects of a smaller training set are among those of every larger one, and the
+        validation split is untouched, so val losses compare across training-set sizes. A seeded rank rather
+        than the first N ids: real data is often ordered by site or date."""
+        import hashlib
+
+        rows = self.split_indices("train")
+        if count == 0 or count >= len(rows):
+            if count > len(rows):
+                raise DataError(f"{self.root / 'manifest.json'}: data.train_subjects = {count}, but the cache holds "
+                                f"{len(rows)} training subjects")
+            return rows
+        rank = sorted(rows, key=lambda r: hashlib.sha256(f"{seed}:train:{self.subjects[r]['id']}".encode()).hexdigest())
+        return np.array(sorted(rank[:count]), dtype=np.int64)
+
+    def pairwise_dice(self, rows) -> dict[int, float | None]:
+        """label value -> mean Dice between the label maps of every pair of these rows (background left out):
+        how much the anatomy varies between subjects, the between-subject variation a training set holds.
+        None for a class absent from all of them or with fewer than two rows."""
+        rows = [int(r) for r in rows]
+        out: dict[int, float | None] = {}
+        for c, value in enumerate(self.label_values):
+            if c == 0:
+                continue
+            if len(rows) < 2:
+                out[value] = None
+                continue
+            masks = np.stack([(np.asarray(self.labels[r]) == c).ravel() for r in rows]).astype(np.float32)
+            sizes = masks.sum(1)
+            overlap = masks @ masks.T  # |A_i & A_j| for every pair at once
+            denominator = sizes[:, None] + sizes[None, :]
+            i, j = np.triu_indices(len(rows), k=1)
+            valid = denominator[i, j] > 0
+            out[value] = float(np.mean(2 * overlap[i, j][valid] / denominator[i, j][valid])) if valid.any() else None
+        return out
+
     def stack(self, rows) -> tuple[np.ndarray, np.ndarray]:
         """Images [B, 1, D, H, W] float32 and class labels [B, D, H, W] of the given cache rows."""
         rows = [int(r) for r in rows]

@@ -409,38 +409,36 @@ def check_compatible(state: dict, cache: ProcessedCache, ckpt_path: Path, rows: 
                                f"but there are {cache.num_classes} classes ({values}); rerun preprocess")
 
 
-def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
-    """Sample, measure, write samples/, metrics/eval_detail.json and eval.json, plots/eval/ and log into MLflow;
-    returns the metrics (eval_detail.json's)."""
-    root = Path(root)
-    out = paths(root)
+def evaluated_weights(state: dict, which: str) -> tuple[str, dict]:
+    """("best" or "final", a checkpoint state whose "ema", "step" and "samples_seen" are those weights'). best:
+    the EMA at the run's own best (training/best.py), when the run kept one (five validations or more, and a
+    checkpoint written since voxdiff kept it); else the final weights, and the name says so."""
+    best = state.get("best") or {}
+    if which == "best" and best.get("ema") is not None and best.get("mark"):
+        mark = best["mark"]
+        return "best", {**state, "ema": best["ema"], "step": int(mark["step"]),
+                        "samples_seen": int(mark["samples_seen"])}
+    if which == "best":
+        say("no best point kept in the checkpoint (fewer than 5 validations, or written before voxdiff kept one): "
+            "evaluating the final weights")
+    return "final", state
+
+
+def evaluate_network(net, diff_p, params: Params, cache: ProcessedCache, state: dict, source: Path, val_rows, rows,
+                     device, reference: float | None, interactive: bool) -> tuple[list[dict], dict]:
+    """Validation loss, samples and their figures for one set of weights: (per-subject entries, metrics).
+    `reference`: the data's own diversity (diversity_reference), the same for every set of weights."""
     ev = params.evaluate
-    state = checkpoint.load(out["checkpoint"])
-    cache = open_cache(out["cache"])
-    val_rows = cache.split_indices("val")
-    if len(val_rows) == 0:
-        raise VoxdiffError(f"{out['cache'] / 'manifest.json'}: no validation subjects to evaluate on")
-    rows = val_rows[: ev.subjects] if ev.subjects else val_rows
-    check_compatible(state, cache, out["checkpoint"], rows)
-    for key in ("samples", "metrics", "plots"):
-        _writable(out[key])
-
-    from voxdiff.training.distributed import configure_backends, pick_device
-
-    device = pick_device(params.train.device)
-    configure_backends(device, params.train.tf32, params.train.deterministic)  # CUDA only: as training ran
     metric_device = device if device.type == "cuda" else None  # SSIM, MS-SSIM, PSNR, MAE: on the GPU there
-    net, _, diff_p = sampling.load_ema_network(state, device, source=out["checkpoint"], num_classes=cache.num_classes)
     C = cache.num_classes
     shape = tuple(cache.images.shape[1:])
-    names, keys = class_keys(params, list(cache.label_values))
-    interactive = sys.stderr.isatty() if progress is None else progress
+    _, keys = class_keys(params, list(cache.label_values))
 
     # 1. The convergence signal of training, recomputed for the weights being evaluated.
     from voxdiff.diffusion.model import build_inferer, build_scheduler
 
     # The training's resolved precision (as `voxdiff sample` uses): auto may resolve otherwise here.
-    rt = sampling.checkpoint_runtime(state, device, params.train.precision, out["checkpoint"])
+    rt = sampling.checkpoint_runtime(state, device, params.train.precision, source)
     draws = objective.val_draws(params.train.val_seed, len(val_rows), params.train.val_draws, diff_p.timesteps,
                                 (1, *shape))
     scheduler = build_scheduler(diff_p)
@@ -479,9 +477,6 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     finally:
         bar.close()
 
-    reference = diversity_reference(params, cache, rows, msssim_metric(shape, metric_device))
-    if reference is None and not params.data.builtin:
-        say("no diversity reference (eval_diversity_reference): it exists for the built-in data only")
     metrics = measure(subjects, cache, val_rows, C, keys, shape, reference, metric_device)
     metrics.update(fidelity_floors(subjects, cache, ssim_metric(shape, metric_device), params.seed))
     metrics["eval_beats_floors"] = int(beats_floors(metrics))
@@ -489,8 +484,7 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
                "eval_seconds_per_volume": float(np.mean([x["seconds"] for x in records])),
                "eval_peak_memory_mb": float(max(x["peak_memory_mb"] for x in records)),
                "eval_sampling_steps": records[0]["steps"], "eval_subjects": len(rows),
-               "eval_samples_per_condition": K, "eval_checkpoint_step": int(state.get("step", 0)),
-               "eval_checkpoint_samples_seen": int(state.get("samples_seen", 0))}
+               "eval_samples_per_condition": K}
     if ev.ancestral:
         ssim = ssim_metric(shape, metric_device)
         metrics["eval_ssim_ancestral"] = float(np.mean([ssim(e["ancestral"], e["real"], e["label"] > 0)
@@ -499,8 +493,56 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
         metrics["eval_peak_memory_mb_ancestral"] = float(max(x["peak_memory_mb"] for x in records_a))
         metrics["eval_ancestral_steps"] = records_a[0]["steps"]
     metrics = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    return subjects, metrics
+
+
+def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
+    """Sample, measure, write samples/, metrics/eval_detail.json and eval.json, plots/eval/ and log into MLflow;
+    returns the metrics (eval_detail.json's)."""
+    root = Path(root)
+    out = paths(root)
+    ev = params.evaluate
+    state = checkpoint.load(out["checkpoint"])
+    cache = open_cache(out["cache"])
+    val_rows = cache.split_indices("val")
+    if len(val_rows) == 0:
+        raise VoxdiffError(f"{out['cache'] / 'manifest.json'}: no validation subjects to evaluate on")
+    rows = val_rows[: ev.subjects] if ev.subjects else val_rows
+    check_compatible(state, cache, out["checkpoint"], rows)
+    for key in ("samples", "metrics", "plots"):
+        _writable(out[key])
+
+    from voxdiff.training.distributed import configure_backends, pick_device
+
+    device = pick_device(params.train.device)
+    configure_backends(device, params.train.tf32, params.train.deterministic)  # CUDA only: as training ran
+    metric_device = device if device.type == "cuda" else None
+    reference = diversity_reference(params, cache, rows, msssim_metric(tuple(cache.images.shape[1:]), metric_device))
+    if reference is None and not params.data.builtin:
+        say("no diversity reference (eval_diversity_reference): it exists for the built-in data only")
+    which, weights = evaluated_weights(state, ev.checkpoint)
+    net, _, diff_p = sampling.load_ema_network(weights, device, source=out["checkpoint"], num_classes=cache.num_classes)
+    interactive = sys.stderr.isatty() if progress is None else progress
+    evaluated = lambda n: evaluate_network(n, diff_p, params, cache, state, out["checkpoint"], val_rows, rows,  # noqa: E731
+                                           device, reference, interactive)
+    subjects, metrics = evaluated(net)
+    metrics.update(eval_checkpoint=which, eval_checkpoint_step=weights["step"],
+                   eval_checkpoint_samples_seen=weights["samples_seen"])
+    if which == "best":  # the final weights beside them (same figures when the best point is the end)
+        if weights["step"] == state["step"]:
+            final = {k: v for k, v in metrics.items() if k.startswith("eval_")}
+        else:
+            final_net, _, _ = sampling.load_ema_network(state, device, source=out["checkpoint"],
+                                                        num_classes=cache.num_classes)
+            final = evaluated(final_net)[1]
+        metrics.update({f"eval_final_{k[len('eval_'):]}": v for k, v in final.items()
+                        if k.startswith("eval_") and k not in ("eval_checkpoint", "eval_checkpoint_step",
+                                                               "eval_checkpoint_samples_seen")})
+        metrics.update(eval_final_checkpoint_step=int(state["step"]))
+    metrics = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
 
     # 3. Outputs: each written whole, then MLflow.
+    names, _ = class_keys(params, list(cache.label_values))
     write_samples(out["samples"], subjects, cache)
     write_montages(out["plots"], subjects, names)
     with _writing(out["metrics"]):
