@@ -155,6 +155,11 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
                     run_sample_counted_events(trainer, record, before, last)  # before the checkpoint below
                 c.history.append(record)
                 report_progress(rt, bar, record, budget)
+                if stops_early(trainer, rt, before, last):
+                    say(rt, f"early stop at step {c.step} ({c.samples_seen} samples): "
+                            f"{params.train.early_stop_patience_samples} samples past the best point "
+                            f"(step {trainer.best.mark.step if trainer.best.mark else '?'})")
+                    break
                 if due(c.step, params.train.checkpoint_every, budget.total_steps) and not last:
                     save(finished=False)
                 if interrupt.requested(rt):
@@ -211,7 +216,8 @@ def log_final(tracker: RunTracker, trainer: Trainer, summary: dict, out: dict[st
     tracker.log_summary(
         {k: v for k, v in summary.items()
          if k.startswith(("final_", "total_", "effective_", "peak_", "val_flattening", "phema_", "ema_sigma",
-                          "clip_fraction", "plateau_", "own_best_", "compile_"))},
+                          "clip_fraction", "plateau_", "own_best_", "compile_", "best_checkpoint_",
+                          "stopped_early", "data_"))},
         artifacts=[out["detail"], out["plot"], root / "params.yaml", root / "data" / "processed" / "preview.png"],
         tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"],
               "voxdiff.checkpoint_path": str(out["checkpoint"].relative_to(root))})
@@ -230,6 +236,24 @@ def run_sample_counted_events(trainer: Trainer, record: dict, before: int, last:
         trainer.phema.snapshot()  # a checkpoint must not predate its snapshots
     if due_in_samples(before, now, tr.gns_buckets_every_samples, last):
         record.update(trainer.bucket_noise_scale())
+
+
+def stops_early(trainer: Trainer, rt: Runtime, before: int, last: bool) -> bool:
+    """After a step that validated: keep the EMA weights if this is the run's best point yet, and say whether
+    early stopping (train.early_stop_patience_samples) ends the run here. Rank 0 validates, so it decides and
+    every rank follows (all ranks know when a validation was due)."""
+    tr, c = trainer.p.train, trainer.counters
+    if not due_in_samples(before, c.samples_seen, tr.val_every_samples, last):
+        return False
+    stop = False
+    if rt.is_main:
+        trainer.best.observe(c.history)
+        stop = not last and trainer.best.should_stop(c.samples_seen)
+    if rt.world_size > 1:
+        from voxdiff.training.distributed import all_reduce_sum
+
+        stop = all_reduce_sum([float(stop)], rt)[0] > 0
+    return stop
 
 
 def model_metadata(trainer: Trainer) -> dict:
@@ -257,6 +281,9 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
         "val_flattening": flattening([h["samples_seen"] for h in val], [h["val_loss"] for h in val]),
         **plateau_figures([h["step"] for h in val], [h["val_loss"] for h in val]),
         **own_best_figures(val),
+        **best_checkpoint_figures(trainer),
+        "data_train_subjects": len(trainer.train_rows),  # data.train_subjects, resolved
+        **{f"data_pairwise_dice_label{v}": d for v, d in trainer.cache.pairwise_dice(trainer.train_rows).items()},
         "final_train_loss": sum(window_means) / len(window_means),
         "total_steps": c.step, "total_samples": c.samples_seen, "total_wall_time": c.wall_time,
         "samples_per_s": c.samples_seen / max(c.wall_time, 1e-9),
@@ -300,6 +327,16 @@ def own_best_figures(val: list[dict]) -> dict:
     at = val[best.index]
     return {"own_best_val_loss": best.level, "own_best_step": at["step"], "own_best_samples": at["samples_seen"],
             "own_best_at_end": int(best.at_end)}
+
+
+def best_checkpoint_figures(trainer: Trainer) -> dict:
+    """Where the kept best EMA weights were taken (training/best.py: the centre of the lowest window, the
+    point own_best_* names), and whether early stopping ended the run."""
+    mark = trainer.best.mark
+    return {"best_checkpoint_step": mark.step if mark else None,
+            "best_checkpoint_samples": mark.samples_seen if mark else None,
+            "best_checkpoint_val_loss": mark.window_mean if mark else None,
+            "stopped_early": int(trainer.counters.step < trainer.budget.total_steps)}
 
 
 def flattening(samples: list[int], losses: list[float]) -> float | None:

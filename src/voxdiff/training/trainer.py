@@ -23,6 +23,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from voxdiff.diffusion import objective
 
 from voxdiff.training import gns, posthoc_ema
+from voxdiff.training.best import BestWeights
 from voxdiff.data.cache import ProcessedCache
 from voxdiff.training.distributed import Runtime, all_reduce_sum, peak_memory_mb
 from voxdiff.errors import TrainingDiverged
@@ -85,7 +86,7 @@ class Trainer:
     def __init__(self, params: Params, root: Path, rt: Runtime, cache: ProcessedCache):
         self.p, self.root, self.rt, self.cache = params, root, rt, cache
         self.budget = plan_budget(params.train, rt.world_size)
-        self.train_rows = cache.split_indices("train")
+        self.train_rows = cache.training_rows(params.data.train_subjects, params.data.seed)  # data.train_subjects
         self.val_rows = cache.split_indices("val")
         self.num_classes = cache.num_classes
         self.shape = tuple(cache.images.shape[1:])
@@ -96,6 +97,7 @@ class Trainer:
         self.net = net.to(rt.device)
         # The EMA copy is taken before activation checkpointing patches the blocks' forward.
         self.ema = AveragedModel(self.net, use_buffers=True)
+        self.best = BestWeights(self.ema, params.train.early_stop_patience_samples)  # the run at its own best
         tr = params.train
         self.phema = (posthoc_ema.ProfileTracker(self.net, lambda: copy.deepcopy(self.ema.module),
                                                  tr.phema_sigma_rels, root / "models" / "phema", self.fingerprint())
@@ -380,6 +382,7 @@ class Trainer:
             "optimizer": self.opt.state_dict(), "scaler": self.scaler.state_dict(),
             "gns": self.gns.state_dict(), "mlflow_run_id": run_id or "",
             "phema": self.phema.state_dict() if self.phema is not None else {},
+            "best": self.best.state_dict(),  # the EMA weights at the run's own best (training/best.py)
             "num_classes": self.num_classes, "shape": list(self.shape),
             "params": {k: self.p.raw[k] for k in ("seed", "model", "diffusion", "preprocess")},
             "label_values": list(self.cache.label_values),
@@ -394,6 +397,7 @@ class Trainer:
         self.gns.load_state_dict(state["gns"])
         if self.phema is not None:
             self.phema.load_state_dict(state["phema"])
+        self.best.load_state_dict(state.get("best"))
         self.counters = Counters(state["step"], state["samples_seen"], state["wall_time"],
                                  state["skipped_steps"], state["ema_updates"], list(state["history"]),
                                  state["clipped_steps"], state["skipped_in_a_row"],
