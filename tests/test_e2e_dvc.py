@@ -43,8 +43,9 @@ def repo_env(repo: Path) -> dict:
     return env
 
 
-def make_repo(path: Path, overrides: dict | None = None) -> Path:
-    """A fresh git + DVC repo holding the project as a user would clone it, with a tiny params.yaml."""
+def make_repo(path: Path, overrides: dict | None = None, baseline: bool = False) -> Path:
+    """A fresh git + DVC repo holding the project as a user would clone it, with a tiny params.yaml; with
+    `baseline`, also the committed baseline (dvc.lock, metrics, plots) a clone holds before `make demo`."""
     path.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
     for name in ("stages", "src"):
@@ -53,7 +54,7 @@ def make_repo(path: Path, overrides: dict | None = None) -> Path:
     for name in ("dvc.yaml", ".gitignore", ".dvcignore", "Makefile"):
         if (REPO / name).exists():
             shutil.copy(REPO / name, path / name)
-    for name in baseline_files():  # what a clone holds of the committed baseline: dvc.lock, metrics, plots
+    for name in baseline_files() if baseline else ():  # a clone's committed baseline: dvc.lock, metrics, plots
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / name, path / name)
     (path / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**E2E, **(overrides or {})}), sort_keys=False))
@@ -120,7 +121,7 @@ def show_width(repo: Path, *args: str) -> tuple[int, str]:
 
 
 def test_pipeline_repro_experiments_and_queue(tmp_path):
-    repo = make_repo(tmp_path / "proj", {"evaluate.samples_per_condition": 2})  # 2: a diversity figure
+    repo = make_repo(tmp_path / "proj", {"evaluate.samples_per_condition": 2}, baseline=True)  # 2: a diversity figure
 
     # 1. dvc repro runs the four stages and produces every declared output.
     out = sh(repo, "dvc", "repro")
