@@ -135,3 +135,24 @@ def test_logged_ema_model_loads_without_voxdiff(tiny_root, activation_checkpoint
     # every package the pickle names is a declared requirement (MONAI's attention is einops' Rearrange)
     assert set(found["classes"]) <= set(found["requirements"]) and found["num_classes"] == 3
     assert torch.allclose(torch.load(tiny_root / "y.pt"), expected, atol=1e-6)
+
+
+def test_sqlite_uris_are_parsed_in_tracking_uri_only(tiny_root):
+    """One parser of sqlite:/// URIs (tracking/uri.py): the artifact folder the disk plan counts is the
+    experiment's artifact location in the real store, and no other module slices the scheme off itself."""
+    import re
+    from pathlib import Path
+
+    from voxdiff.tracking.runs import _client, ensure_experiment
+    from voxdiff.tracking.uri import local_artifacts_dir, sqlite_path
+    from voxdiff.training.plan import mlflow_artifacts_dir
+
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    assert sqlite_path(uri) == tiny_root / "mlflow.db" and sqlite_path("http://host:5000") is None
+    exp = _client(uri).get_experiment(ensure_experiment(uri, "x", tiny_root))
+    assert exp.artifact_location == local_artifacts_dir(uri).as_uri()
+    assert mlflow_artifacts_dir(make_params(), tiny_root) == local_artifacts_dir(uri)
+    src = Path(__file__).resolve().parents[1] / "src" / "voxdiff"
+    parsing = re.compile(r"""(startswith|len)\(\s*["']sqlite:///["']""")
+    assert [str(f.relative_to(src)) for f in src.rglob("*.py")
+            if f.name != "uri.py" and parsing.search(f.read_text())] == []

@@ -133,14 +133,13 @@ def _version(module: str) -> str:
 
 
 def tracking_lines(root: Path, params) -> list[tuple[str, str]]:
-    from voxdiff.tracking.uri import resolve_tracking_uri
+    from voxdiff.tracking.uri import resolve_tracking_uri, sqlite_path
 
     uri = resolve_tracking_uri(params, root)
     source = ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI")
               else "mlflow.tracking_uri" if params and params.mlflow.tracking_uri.strip() else "default")
     shown = uri
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+    if (db := sqlite_path(uri)) is not None:
         try:
             shown = f"sqlite:///{db.relative_to(root)} (relative to the project)"
         except ValueError:
@@ -150,8 +149,10 @@ def tracking_lines(root: Path, params) -> list[tuple[str, str]]:
 
 def reachable(uri: str) -> str:
     """Whether the store answers: a SQLite file's folder must exist; a server must answer a search."""
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+    from voxdiff.tracking.uri import sqlite_path
+
+    db = sqlite_path(uri)
+    if db is not None:
         if db.is_file():
             return "reachable (database exists)"
         return "reachable (created on first run)" if db.parent.is_dir() else f"NOT reachable: {db.parent} missing"

@@ -83,8 +83,10 @@ class RunData:
 
 def open_client(tracking_uri: str):
     """An MlflowClient, refusing to create an empty SQLite database where none exists."""
-    if tracking_uri.startswith("sqlite:///"):
-        db = Path(tracking_uri[len("sqlite:///"):])
+    from voxdiff.tracking.uri import sqlite_path
+
+    db = sqlite_path(tracking_uri)
+    if db is not None:
         if not db.is_file():
             raise VoxdiffError(f"no MLflow database at {db} (tracking URI {tracking_uri}); "
                                "train first or pass --tracking-uri")

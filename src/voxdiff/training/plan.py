@@ -187,15 +187,10 @@ def dvc_cache_dir(root: Path) -> Path | None:
 
 
 def mlflow_artifacts_dir(params: Params, root: Path) -> Path | None:
-    """The local folder of MLflow's artifacts for the default SQLite store (tracking/runs.py), else None."""
-    from voxdiff.tracking.uri import resolve_tracking_uri
+    """The local folder of MLflow's artifacts for the store in force (tracking.uri), else None."""
+    from voxdiff.tracking.uri import local_artifacts_dir, resolve_tracking_uri
 
-    uri = resolve_tracking_uri(params, root)
-    if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts"
-    if uri.startswith("file://") or "://" not in uri:
-        return Path(uri.removeprefix("file://"))
-    return None
+    return local_artifacts_dir(resolve_tracking_uri(params, root))
 
 
 def disk_needs(params: Params, root: Path, sizes: Sizes, events: Events, fresh_start: bool = True) -> list[DiskNeed]:
