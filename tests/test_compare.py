@@ -817,3 +817,27 @@ def test_each_setting_at_its_own_best_is_the_lowest_window_and_its_cost():
     assert len(bound) == 1 and "3/3 of its runs were still at their lowest at the end" in bound[0]
     assert "clearly" not in bound[0] and "not compared" in bound[0]
     assert best_table([summarize_group("1", [], None)], "x") == []  # no validations: no table
+
+
+def test_each_runs_plateau_is_worked_out_once(tmp_path, monkeypatch):
+    """The runs table, the group summaries and the critical-batch section read one plateau change and one
+    plateau level per run (RunData), not their own recomputations; the report stays byte for byte."""
+    from voxdiff import convergence
+    from voxdiff.report import rendering, statistics
+
+    calls = {"plateau_change": 0, "plateau_level": 0}
+    for name in calls:
+        real = getattr(convergence, name)
+        counted = lambda *a, _real=real, _name=name, **k: (  # noqa: E731
+            calls.__setitem__(_name, calls[_name] + 1), _real(*a, **k))[1]
+        for module in (convergence, rendering, statistics):  # wherever the name is imported
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, counted)
+    out = tmp_path / "report.md"
+    result = CliRunner().invoke(compare_command, ["--runs", str(FIXTURE / "runs"), "--out", str(out)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    runs = len(list((FIXTURE / "runs").glob("*.json")))
+    assert calls == {"plateau_change": runs, "plateau_level": runs}
+    rebuilt = out.read_text().replace(f"`{FIXTURE / 'runs'}`", "`tests/fixtures/archive/runs`")
+    assert rebuilt == (FIXTURE / "report.md").read_text()

@@ -133,3 +133,20 @@ def test_the_lr_grid_design_holds_its_x1_point(grid):
     steps_k8 = [o for a, o in grid.arms() if a == "steps" and o["train.accumulate_every"] == 8]
     assert steps_k8 and all(o in design for o in steps_k8)
     assert not any(o.get("train.grad_clip") == 0.0 or o.get("diffusion.loss") == "l2" for o in design)
+
+
+def test_the_data_size_arms_share_validation_and_pair_by_seed(grid, monkeypatch):
+    """Every data-size run validates on the same subjects, draws and grid in samples whatever its N and k, and
+    every k > 1 run has a k 1 partner of the same seed and N (the paired analysis reads pairs). Until the LR
+    pilot has chosen the lr, only the pilot is in the grid."""
+    assert grid.DS_LR is None and not [a for a, _ in grid.arms() if a.startswith("data-size")]
+    assert [o["train.lr"] for a, o in grid.arms() if a == "ds-lr"] == list(grid.DS_LR_GRID)
+    monkeypatch.setattr(grid, "DS_LR", 1.0e-3)
+    runs = [o for a, o in grid.arms() if a.startswith("data-size")]
+    assert len(runs) == sum(len(ks) * len(seeds) for _, ks, seeds in grid.DS_DESIGN) == 25
+    shared = ("data.subjects", "data.val_subjects", "train.val_every_samples", "train.val_draws", "train.val_seed")
+    assert len({tuple(o.get(k, grid.COMMON.get(k)) for k in shared) for o in runs}) == 1
+    pairs = {(o["data.train_subjects"], o["seed"]) for o in runs if o["train.accumulate_every"] == 1}
+    assert all((o["data.train_subjects"], o["seed"]) in pairs for o in runs if o["train.accumulate_every"] > 1)
+    assert {o["diffusion.prediction"] for o in runs} == {"epsilon"} and {o["train.grad_clip"] for o in runs} == {0.0}
+    assert {o["train.max_samples"] for o in runs} == {grid.DS_CAP}  # one cap, in samples, for every k

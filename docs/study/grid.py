@@ -53,6 +53,25 @@ LONG_STEPS = 2 * STEPS
 # plateau criterion near 14,000 steps, so k 1 and 2 train 16,384 steps, seeds 0-1 (k 1 about 35 minutes, k 2
 # about 60, in bf16 with AMX; at 3072 steps both still fell 7-9 % in the last quarter).
 EPS_LONG_STEPS = 16384
+# Training-set size as an axis, in med-ddpm's regime (issue 34): the eps-long runs over-fit their 10 training
+# subjects, so the answer there may be the data's. One synthesised set of 336 subjects, 16 of them for
+# validation (the same subjects and draws for every N: 64 validation samples, 8x the 8 the earlier arms used,
+# for a validation jitter of at most ~0.5 % of the level where it was ~1 %); the training sets are nested
+# subsets of the other 320 (data.train_subjects). Every run validates on one grid in samples (every 256,
+# whatever k: the registered B_crit method reads steps-to-target on it, docs/study/data-size-protocol.md),
+# keeps the EMA at its own best, and stops early once 8192 samples have passed since it (cap 32768 samples,
+# stated before the runs: a run that reaches it says so as "at cap").
+DATA_SIZE = {"data.subjects": 336, "data.val_subjects": 16}
+DS_CAP = 32768
+DS_REGIME = {**DATA_SIZE, **EPSILON, "train.batch_size": 1, "train.lr_scaling": "none", "train.max_steps": 0,
+             "train.max_samples": DS_CAP, "train.val_every_samples": 256, "train.checkpoint_every": 256,
+             "train.early_stop_patience_samples": 8192, "train.gns_buckets_every_samples": 2048}
+DS_LR_GRID = (5.0e-4, 1.0e-3, 2.0e-3)  # chosen at the largest N, k 1, seed 0, over the first DS_LR_SAMPLES
+DS_LR_SAMPLES = 8192
+DS_LR = None  # set from the pilot's result (report_ds_lr.md) before any data-size run; every data-size run uses it,
+              # at every k (no LR scaling). Until then the data-size arms are not in the grid.
+# (N_train, k, seeds): 5 seeds at the largest N for a paired k 1 / k 2 comparison that can detect ~5 %.
+DS_DESIGN = ((160, (1, 2), (0, 1, 2, 3, 4)), (160, (4,), (0, 1, 2)), (40, (1, 2), (0, 1, 2)), (10, (1, 2), (0, 1, 2)))
 
 
 def arms() -> list[tuple[str, dict]]:
@@ -113,11 +132,27 @@ def arms() -> list[tuple[str, dict]]:
         for k in (1, 2):
             out.append(("eps-long", {**micro1, "train.max_steps": EPS_LONG_STEPS, "train.accumulate_every": k,
                                      **EPSILON, "seed": seed}))
+    # Data size: the LR pilot first, then seed by seed (k 1 and k 2 of a seed back to back: a pair is what the
+    # paired analysis reads), the largest N first.
+    for lr in DS_LR_GRID:
+        out.append(("ds-lr", {**DS_REGIME, "data.train_subjects": 160, "train.accumulate_every": 1,
+                              "train.max_samples": DS_LR_SAMPLES, "train.early_stop_patience_samples": 0,
+                              "train.lr": lr, "seed": 0}))
+    for n, ks, seeds in DS_DESIGN if DS_LR is not None else ():
+        for seed in seeds:
+            for k in ks:
+                out.append((f"data-size-{n}", {**DS_REGIME, "data.train_subjects": n, "train.accumulate_every": k,
+                                               "train.lr": DS_LR, "seed": seed}))
     return out
 
 
 def archived() -> list[dict]:
     return [json.loads(p.read_text())["params"] for p in sorted(RUNS.glob("*.json"))] if RUNS.is_dir() else []
+
+
+# Keys an arm sets that only decide what is measured, never the trajectory: they tell no run of one arm from a
+# run of another (the archived runs probed at 512 or 768 samples; the data-size arm probes every 2048).
+MEASURING_ONLY = ("train.gns_buckets_every_samples",)
 
 
 def defaults() -> dict:
@@ -127,7 +162,7 @@ def defaults() -> dict:
     from voxdiff.params import flatten, load_yaml
 
     flat = flatten(load_yaml((HERE.parents[1] / "params.yaml").read_text()))
-    keys = {k for _, o in arms() for k in {**COMMON, **o} if not k.startswith("mlflow.")}
+    keys = {k for _, o in arms() for k in {**COMMON, **o} if not k.startswith("mlflow.") and k not in MEASURING_ONLY}
     return {k: str(flat[k]) for k in keys if flat.get(k) is not None}
 
 

@@ -14,9 +14,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 from scipy import ndimage
-from tqdm import tqdm
-
 from voxdiff.data import sources
+from voxdiff.data.parallel import ordered_map
 from voxdiff.fsutil import atomic_path, write_json
 
 LABEL_VALUES = (0, 1, 2, 3)  # background, CSF, GM, WM
@@ -149,18 +148,25 @@ def save_nifti(path: Path, data: np.ndarray, affine: np.ndarray) -> None:
     nib.save(img, path)
 
 
+def write_subject(job: tuple[int, int, float, Path]) -> None:
+    """Synthesise pseudo-subject `index` and write its image and label (odd ones in LPS) into `folder`."""
+    index, seed, spacing, folder = job
+    image, label, affine = synth_subject(index, seed, spacing)
+    if index % 2:
+        image, _ = to_lps(image, affine)
+        label, affine = to_lps(label, affine)
+    save_nifti(folder / "images" / f"sub-{index:03d}.nii.gz", image, affine)
+    save_nifti(folder / "labels" / f"sub-{index:03d}.nii.gz", label, affine)
+
+
 def synthesize(params, raw: Path, root: Path) -> list[dict]:
     """Write data.subjects pseudo-subjects and index.json into ``raw`` atomically; returns the index."""
     d = params.data
     with atomic_path(raw) as tmp:
         tmp.mkdir()
-        for i in tqdm(range(d.subjects), desc="prepare: synthesising MNI152 subjects", unit="subject"):
-            image, label, affine = synth_subject(i, d.seed, d.synth_spacing)
-            if i % 2:
-                image, _ = to_lps(image, affine)
-                label, affine = to_lps(label, affine)
-            save_nifti(tmp / "images" / f"sub-{i:03d}.nii.gz", image, affine)
-            save_nifti(tmp / "labels" / f"sub-{i:03d}.nii.gz", label, affine)
+        jobs = [(i, d.seed, d.synth_spacing, tmp) for i in range(d.subjects)]
+        for _ in ordered_map(write_subject, jobs, "prepare: synthesising MNI152 subjects"):
+            pass
         pairs = sources.pair_by_glob(tmp, sources.BUILTIN_IMAGE_GLOB, sources.BUILTIN_LABEL_GLOB)
         subjects = sources.describe(pairs, root, moved=(tmp, raw))
         write_json(tmp / "index.json", {"source": d.source, "subjects": subjects})

@@ -24,6 +24,7 @@ from voxdiff.data import cache
 from voxdiff.data import nifti
 
 from voxdiff.data import sources
+from voxdiff.data.parallel import ordered_map
 from voxdiff.errors import DataError, ParamsError
 from voxdiff.fsutil import atomic_path, sha256_file, write_json
 
@@ -183,6 +184,11 @@ def preprocess_label(label_path, params) -> tuple[np.ndarray, Placement, dict]:
     return out, placement, provenance_of(original)
 
 
+def preprocess_job(job: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """preprocess_pair on (image path, label path, params): one argument, for parallel.ordered_map."""
+    return preprocess_pair(*job)
+
+
 def preprocess_pair(image_path, label_path, params) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
     """(image float32 in [-1, 1], class indices uint8, RAS affine 4x4, provenance) on preprocess's grid.
 
@@ -267,8 +273,9 @@ def run_preprocess(params, root: str | Path) -> dict:
         images = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.float32, shape=shape)
         labels = np.lib.format.open_memmap(tmp / "labels.npy", mode="w+", dtype=np.uint8, shape=shape)
         records = []
-        for i, s in enumerate(tqdm(subjects, desc="preprocess", unit="subject")):
-            images[i], labels[i], affine, prov = preprocess_pair(root / s["image"], root / s["label"], params)
+        jobs = [(root / s["image"], root / s["label"], params) for s in subjects]
+        for i, (s, done) in enumerate(zip(subjects, ordered_map(preprocess_job, jobs, "preprocess"))):
+            images[i], labels[i], affine, prov = done
             warning = prov.pop("warning")
             if warning:
                 tqdm.write(f"warning: {root / s['image']}: {warning}")

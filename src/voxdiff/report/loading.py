@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 
 import numpy as np
 
+from voxdiff import convergence
 from voxdiff.errors import VoxdiffError
 from voxdiff.tracking.runs import METRIC_KEYS
 
@@ -58,6 +60,17 @@ class RunData:
     @property
     def has_val(self) -> bool:
         return len(self.val_loss) > 0
+
+    @functools.cached_property
+    def plateau_change(self) -> float | None:
+        """The val loss's relative change over the last quarter of the run's steps (convergence.plateau_change),
+        worked out once for the runs table, the group summaries and the critical-batch section."""
+        return convergence.plateau_change(self.val_steps, self.val_loss) if self.has_val else None
+
+    @functools.cached_property
+    def plateau_level(self) -> float | None:
+        """The mean val loss over the last quarter of the run's steps (convergence.plateau_level), once."""
+        return convergence.plateau_level(self.val_steps, self.val_loss) if self.has_val else None
 
     @property
     def final_val_loss(self) -> float:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from voxdiff.convergence import (BEST_WINDOW, PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch,
-                                 past_its_lowest, plateau_change, plateau_level, reached_plateau, target_levels)
+                                 past_its_lowest, reached_plateau, target_levels)
 from voxdiff.fsutil import atomic_path
 from voxdiff.report.loading import RunData, as_float
 from voxdiff.report.statistics import (ALPHA, GroupSummary, compare_means, confounders, holm,
@@ -120,8 +120,8 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None) ->
               "falling) and the last quarter's change and verdict (see the summary).", "",
               "| effective batch | runs | plateau value | last-quarter change | at plateau |", "|---|---|---|---|---|"]
     for b, rs in by_batch.items():
-        levels = [v for r in rs if (v := plateau_level(r.val_steps, r.val_loss)) is not None]
-        changes = [c for r in rs if (c := plateau_change(r.val_steps, r.val_loss)) is not None]
+        levels = [r.plateau_level for r in rs if r.plateau_level is not None]
+        changes = [r.plateau_change for r in rs if r.plateau_change is not None]
         lines.append(f"| {b:g} | {len(rs)} | {mean_std(levels, '.4g', '.2g')} | {percent_cell(changes)} | "
                      f"{plateau_count(changes)} |")
     return lines + ["", *measured_vs_predicted(by_batch, measured)]
@@ -181,8 +181,7 @@ def measured_vs_predicted(by_batch: dict[float, list[RunData]], measured: list) 
                   else f"{'∞' if fit.b_crit == math.inf else '0'} (unresolved) [{_interval(ci, by_batch)}]")
         lines.append(f"| {target:.4g} | {phase} | {b_cell} | " + _prediction_cells(every, target, fit)
                      + (" | " + _prediction_cells(every, target, fit, "marginal_adam") if adam else "") + " |")
-    plateau = [plateau_level(r.val_steps, r.val_loss) for r in small]
-    plateau = [v for v in plateau if v is not None]
+    plateau = [r.plateau_level for r in small if r.plateau_level is not None]
     if plateau:
         level = float(np.mean(plateau))
         lines.append(f"| plateau of B = {min(by_batch):g} ({level:.4g}) | late | not measurable (the loss no longer "
@@ -499,7 +498,7 @@ def runs_table(groups: dict[str, list[RunData]], group_by: str) -> list[str]:
     for key, runs in groups.items():
         for r in runs:
             final = f"{r.final_val_loss:.4g}" if r.has_val else "no val_loss"
-            change = plateau_change(r.val_steps, r.val_loss) if r.has_val else None
+            change = r.plateau_change
             verdict = ("yes, rising: past its lowest" if past_its_lowest(change)
                        else {None: "—", True: "yes", False: "no: still falling"}[reached_plateau(change)])
             lines.append(f"| {group_by}={key} | {r.run_id} | {r.params.get('seed', '?')} | "

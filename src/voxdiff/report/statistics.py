@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from voxdiff.convergence import best_point, plateau_change, reached_plateau
+from voxdiff.convergence import best_point, reached_plateau
 from voxdiff.report.loading import RunData, as_float
 
 
@@ -158,7 +158,7 @@ def summarize_group(key: str, runs: list[RunData], target: float | None) -> Grou
         peak_memory_mb=[r.peak_memory_mb for r in with_val if not math.isnan(r.peak_memory_mb)],
         gns=[float(r.gns[-1]) for r in with_val if len(r.gns)],
         flattening=[r.metrics["val_flattening"] for r in with_val if "val_flattening" in r.metrics],
-        plateau=[c for r in with_val if (c := plateau_change(r.val_steps, r.val_loss)) is not None],
+        plateau=[r.plateau_change for r in with_val if r.plateau_change is not None],
         best=[b for r in with_val if (b := run_best(r)) is not None],
         eval={k: [r.metrics[k] for r in with_val if k in r.metrics] for k in evals},
         posthoc=posthoc_metrics(with_val),
