@@ -68,3 +68,39 @@ def test_a_run_on_a_subset_draws_only_from_it(tiny_root):
     # and the run's identity changes with the size (another training set, another run)
     other = Trainer(make_params({"data.train_subjects": 4}), tiny_root, init_runtime("cpu", "fp32"), cache)
     assert other.fingerprint() != trainer.fingerprint()
+
+
+def test_prepare_and_preprocess_on_every_core_write_what_one_core_writes(tmp_path):
+    """The process pool (data/parallel.py) runs in a process without torch, as the stages are; its files are
+    byte for byte those of the serial loop this test process runs (torch is loaded here)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    import yaml
+
+    from conftest import REPO, raw_params
+    from voxdiff.data.preprocess import run_preprocess
+    from voxdiff.data.prepare import run_prepare
+    from voxdiff.params import validate
+
+    raw = raw_params(**{"data.subjects": 8, "data.val_subjects": 2})
+    digests = {}
+    for mode in ("serial", "pool"):
+        root = tmp_path / mode
+        root.mkdir()
+        if mode == "serial":
+            run_prepare(validate(raw), root)
+            run_preprocess(validate(raw), root)
+        else:
+            (root / "params.yaml").write_text(yaml.safe_dump(raw))
+            code = ("import sys; from pathlib import Path; from voxdiff.params import load; "
+                    "from voxdiff.data.prepare import run_prepare; from voxdiff.data.preprocess import run_preprocess; "
+                    "from voxdiff.data import parallel; r = Path(sys.argv[1]); p = load(r / 'params.yaml'); "
+                    "assert parallel.workers(8) == 2; run_prepare(p, r); run_preprocess(p, r); "
+                    "assert 'torch' not in sys.modules")
+            env = {"PATH": "/usr/bin:/bin", "VOXDIFF_DATA_WORKERS": "2", "TQDM_DISABLE": "1", "HOME": str(tmp_path)}
+            subprocess.run([sys.executable, "-c", code, str(root)], check=True, env=env, cwd=REPO, timeout=600)
+        digests[mode] = {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+                         for p in sorted(root.rglob("*")) if p.is_file() and p.suffix in (".gz", ".npy")}
+    assert len(digests["serial"]) == 2 * 8 + 2 and digests["pool"] == digests["serial"]
