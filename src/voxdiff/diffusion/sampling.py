@@ -32,18 +32,24 @@ SAMPLERS = ("ddim", "ancestral")
 _NOISE, _STEPS = 0x5A3, 0xA7C  # stream tags: initial noise, ancestral per-step noise
 
 
-def checkpoint_section(state: dict, section: str, cls, source) -> object:
-    """A typed params section (model, diffusion, preprocess) from the raw params a checkpoint stores,
-    checked with the same rules as params.yaml."""
+def _stored_section(state: dict, section: str, source) -> dict:
+    """The raw params section a checkpoint stores, or one line naming `source`."""
     raw = state.get("params")
     if not isinstance(raw, dict) or not isinstance(raw.get(section), dict):
         raise VoxdiffError(f"{source}: not a voxdiff training checkpoint (no params.{section} stored in it)")
+    return raw[section]
+
+
+def checkpoint_section(state: dict, section: str, cls, source) -> object:
+    """A typed params section (model, diffusion, preprocess) from the raw params a checkpoint stores,
+    checked with the same rules as params.yaml."""
+    stored = _stored_section(state, section, source)
     spec = SCHEMA[section]
     try:
-        missing = [k for k in spec if k not in raw[section]]
+        missing = [k for k in spec if k not in stored]
         if missing:
             raise ParamsError(f"missing {section}.{missing[0]}")
-        return cls(**{k: check(f"{section}.{k}", raw[section][k]) for k, check in spec.items()})
+        return cls(**{k: check(f"{section}.{k}", stored[k]) for k, check in spec.items()})
     except ParamsError as e:
         raise VoxdiffError(f"{source}: the stored training params are invalid ({str(e).removeprefix('params.yaml: ')})") from None
 
@@ -60,9 +66,7 @@ def check_training_checkpoint(state: dict, source="checkpoint") -> None:
     if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
         raise VoxdiffError(f"{source}: num_classes {classes!r} is not a class count; not a voxdiff checkpoint")
     for section in ("model", "diffusion", "preprocess"):
-        raw = state.get("params")
-        if not isinstance(raw, dict) or not isinstance(raw.get(section), dict):
-            raise VoxdiffError(f"{source}: not a voxdiff training checkpoint (no params.{section} stored in it)")
+        _stored_section(state, section, source)
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
