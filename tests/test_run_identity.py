@@ -5,6 +5,7 @@ Each test has the control that shows it can fail."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -136,6 +137,32 @@ def test_changed_gns_smoothing_is_applied_after_a_resume(tiny_root, monkeypatch)
     done = checkpoint(tiny_root)
     assert done["finished"] and done["measurement_changes"] == [{"step": 2, "keys": ["gns_smoothing"]}]
     assert done["gns"]["beta"] == 0.5
+
+
+def test_revalidated_finished_run_updates_mlflow_and_does_not_mix_draws(tiny_root):
+    """issue 36 item 7: a finished run re-validated on other draws (train.val_seed changed) sends its new
+    final_val_loss to its MLflow run (the real SQLite store), although the run already has the checkpoint's
+    tags; and its summary does not set best_val_loss (and the other figures read off the val_loss curve,
+    measured on the training's draws) beside a final_val_loss measured on the new ones. The run is tagged
+    with what was measured on which draws."""
+    from mlflow.tracking import MlflowClient
+
+    first = run_training(make_params(SHORT), tiny_root, progress=False)
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    assert client.get_run(first["mlflow_run_id"]).data.metrics["final_val_loss"] == first["final_val_loss"]
+    again = run_training(make_params({**SHORT, "train.val_seed": 99}), tiny_root, progress=False)
+    assert again["mlflow_run_id"] == first["mlflow_run_id"] and again["final_val_loss"] != first["final_val_loss"]
+    run = client.get_run(first["mlflow_run_id"])
+    assert run.data.metrics["final_val_loss"] == again["final_val_loss"]
+    assert run.info.status == "FINISHED"
+    for key in ("best_val_loss", "own_best_val_loss", "plateau_change", "val_flattening"):
+        assert first[key] is not None or key != "best_val_loss"
+        assert again[key] is None, key
+    note = run.data.tags["voxdiff.revalidated"]
+    assert "val_seed 99" in note and "val_seed 1234" in note and "best_val_loss" in note
+    assert again["val_draws_note"] == note
+    detail = json.loads((tiny_root / "metrics" / "train_detail.json").read_text())
+    assert detail["best_val_loss"] is None and detail["final_val_loss"] == again["final_val_loss"]
 
 
 # --- item 9: a resume cannot switch precision -----------------------------------------------------------

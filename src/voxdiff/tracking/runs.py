@@ -222,9 +222,9 @@ class RunTracker:
         outputs = getattr(run, "outputs", None)
         datasets = {d.dataset.digest for d in run.inputs.dataset_inputs} if run.inputs else set()
         # A resumed training logs its own summary and model later: only its dataset may be there already.
-        self._present = {"status": "RUNNING", "metrics": set(), "tags": set(), "model": False, "datasets": datasets} \
+        self._present = {"status": "RUNNING", "metrics": {}, "tags": {}, "model": False, "datasets": datasets} \
             if datasets_only else {
-            "status": run.info.status, "metrics": set(run.data.metrics), "tags": set(run.data.tags),
+            "status": run.info.status, "metrics": dict(run.data.metrics), "tags": dict(run.data.tags),
             "model": bool(outputs and outputs.model_outputs), "datasets": datasets}
 
     def _log_params(self, flat: dict) -> None:
@@ -340,16 +340,25 @@ class RunTracker:
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
         tags = {k: str(v) for k, v in (tags or {}).items()}
         files = [str(p) for p in artifacts if Path(p).is_file()]
-        # The batch is one request, so a reopened run with its tags has all of it; keys a later voxdiff
-        # adds to the summary do not make an old complete run incomplete.
-        if self._present is None or not (set(tags) <= self._present["tags"] if tags
-                                         else {m.key for m in metrics} <= self._present["metrics"]):
+        resend = self._present is None or not self._has_summary(metrics, tags)
+        if resend:
             self._queue("summary", "the summary", lambda: self.client.log_batch(
                 self.run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()]))
-        if files and self._present is not None:
+        if files and not resend:  # a changed summary rewrites its files too (same names: overwritten)
             files = [f for f in files if Path(f).name not in self._artifact_names()]
         if files:
             self._queue("files", "the summary files", lambda: [self.client.log_artifact(self.run_id, f) for f in files])
+
+    def _has_summary(self, metrics: list, tags: dict) -> bool:
+        """The reopened run has this summary already. The batch is one request, so a run with its tags has
+        all of it, unless a value differs (a finished run re-validated on other draws: its figures change
+        under the same tags); keys a later voxdiff adds to the summary do not make an old complete run
+        incomplete."""
+        have_m, have_t = self._present["metrics"], self._present["tags"]
+        if not tags:
+            return {m.key for m in metrics} <= set(have_m)
+        return all(have_t.get(k) == v for k, v in tags.items()) and all(
+            math.isclose(have_m[m.key], m.value, rel_tol=1e-9) for m in metrics if m.key in have_m)
 
     def _artifact_names(self) -> set[str]:
         try:

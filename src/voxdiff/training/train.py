@@ -87,8 +87,9 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
         # the finished model stands; rewrite the stage's other outputs from it.
         say(rt, f"nothing to train: outputs rewritten from it (delete {out['checkpoint'].relative_to(root)} "
                 "to train this configuration again)")
+        redrawn = bool({"val_seed", "val_draws"} & set(changed))
         summary = summarize(trainer, params, rt, None, run_id=state.get("mlflow_run_id", ""),
-                            revalidate=bool({"val_seed", "val_draws"} & set(changed)))
+                            revalidate=state["measurement"] if redrawn else None)
         if rt.is_main:
             write_outputs(out, trainer, summary)
             tracker = RunTracker.reopen(params, root, summary["mlflow_run_id"])
@@ -220,7 +221,9 @@ def log_final(tracker: RunTracker, trainer: Trainer, summary: dict, out: dict[st
                           "stopped_early", "data_"))},
         artifacts=[out["detail"], out["plot"], root / "params.yaml", root / "data" / "processed" / "preview.png"],
         tags={"voxdiff.checkpoint_sha256": summary["checkpoint_sha256"],
-              "voxdiff.checkpoint_path": str(out["checkpoint"].relative_to(root))})
+              "voxdiff.checkpoint_path": str(out["checkpoint"].relative_to(root)),
+              # MLflow cannot drop the curve figures it has: the tag says which draws each was measured on
+              **({"voxdiff.revalidated": summary["val_draws_note"]} if summary.get("val_draws_note") else {})})
     tracker.log_model(trainer.ema.module, model_metadata(trainer))
     tracker.finish()
 
@@ -266,17 +269,24 @@ def model_metadata(trainer: Trainer) -> dict:
             "weights": "EMA", "samples_seen": trainer.counters.samples_seen}
 
 
+# Figures read off the val_loss curve: measured on the draws in force during training.
+CURVE_FIGURES = ("best_val_loss", "val_flattening", "plateau_change", "plateau_reached", "plateau_val_loss",
+                 "own_best_val_loss", "own_best_step", "own_best_samples", "own_best_at_end",
+                 "best_checkpoint_val_loss")
+
+
 def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: str = "",
-              revalidate: bool = False) -> dict:
-    """The run's figures (metrics/train_detail.json; train.json holds a few). revalidate: the validation draws changed after training
-    (train.val_seed / val_draws): the final val loss is measured again with the draws in force now."""
+              revalidate: dict | None = None) -> dict:
+    """The run's figures (metrics/train_detail.json; train.json holds a few). revalidate: the measurement
+    settings the run was trained with, when its validation draws (train.val_seed / val_draws) changed
+    after training: the final val loss is measured again with the draws in force now."""
     from voxdiff.fsutil import sha256_file
 
     c, b = trainer.counters, trainer.budget
     val = [h for h in c.history if h["val_loss"] is not None]
     window_means = [h["train_loss"] for h in c.history[-max(1, len(c.history) // 10):]]
     final_val = trainer.validation_loss() if revalidate and rt.is_main else val[-1]["val_loss"]
-    return {
+    summary = {
         "final_val_loss": final_val, "best_val_loss": min(h["val_loss"] for h in val),
         "val_flattening": flattening([h["samples_seen"] for h in val], [h["val_loss"] for h in val]),
         **plateau_figures([h["step"] for h in val], [h["val_loss"] for h in val]),
@@ -301,6 +311,16 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
         "checkpoint_sha256": sha256_file(paths(trainer.root)["checkpoint"]) if rt.is_main else "",
         **(trainer.posthoc_val_losses() if rt.is_main else {}),
     }
+    if revalidate:
+        # final_val_loss and phema_* are on the new draws, the curve on the old ones: a best_val_loss beside
+        # a final_val_loss of other draws would read as a rise or a fall that is only the draws. Left out.
+        tr, shown = trainer.p.train, [k for k in CURVE_FIGURES if k in summary]
+        summary.update(dict.fromkeys(shown))
+        summary["val_draws_note"] = (
+            f"final_val_loss and phema_* measured again on val_seed {tr.val_seed}, val_draws {tr.val_draws} (changed "
+            f"after training); the val_loss curve and {', '.join(shown)} are on the training's draws (val_seed "
+            f"{revalidate['val_seed']}, val_draws {revalidate['val_draws']}), left out of the summary")
+    return summary
 
 
 def plateau_figures(steps: list[int], losses: list[float]) -> dict:
