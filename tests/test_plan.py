@@ -162,3 +162,21 @@ def test_the_plan_is_run_by_training_but_not_part_of_its_identity():
 
     assert "voxdiff.training.plan" in closure(TRAINING_MODULE)
     assert not any(f.name == "plan.py" for f in training_sources())
+
+
+def test_measured_peak_memory_is_the_steps_own_on_the_cpu(tiny_root):
+    """plan.measure and advise share one reset of the peak (distributed.reset_peak_memory): on the CPU it
+    resets the process's peak RSS, so a large allocation before the plan's steps is not their peak."""
+    import numpy as np
+
+    from voxdiff.data.cache import open_cache
+    from voxdiff.training.distributed import init_runtime, peak_memory_mb
+    from voxdiff.training.trainer import Trainer
+
+    big = np.ones(100_000_000)  # 800 MB touched, then freed: the process's peak RSS holds it
+    del big
+    before = peak_memory_mb()
+    trainer = Trainer(plan.measuring_params(make_params(CASE), 2), tiny_root, init_runtime("cpu", "fp32"),
+                      open_cache(tiny_root / "data" / "processed"))
+    m = plan.measure(trainer, 1, tiny_root / "models")
+    assert m["peak_memory_mb"] < before - 400, (m["peak_memory_mb"], before)

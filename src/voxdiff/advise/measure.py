@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import gc
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ from voxdiff.advise.fit import BranchCurve, SpeedRow
 from voxdiff.data.cache import ProcessedCache
 from voxdiff.errors import TrainingDiverged, VoxdiffError
 from voxdiff.params import Params, validate
-from voxdiff.training.distributed import Runtime, peak_memory_mb
+from voxdiff.training.distributed import Runtime, peak_memory_mb, reset_peak_memory, timed
 from voxdiff.training.schedule import lr_at, plan_budget, scaled_lr
 from voxdiff.training.trainer import Trainer
 
@@ -124,22 +123,6 @@ def warm_up_state(params: Params, root: Path, rt: Runtime, cache: ProcessedCache
 
 
 # --- a. memory and speed per micro-batch ------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:  # Linux: "5" resets this process's VmHWM, the peak RSS that peak_memory_mb reads
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
-
-
 def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -175,15 +158,9 @@ def time_micro_batch(session: Session, micro: int, steps: int) -> SpeedRow:
     machine only ever slows a step down). Fresh weights: neither figure depends on them."""
     dev = session.rt.device
     _release(dev)
-    _reset_peak(dev)
+    reset_peak_memory(dev)
     tr = session.trainer(session.params_for(micro, 1, micro * (steps + 1)), restore=False)
-    times = []
-    for _ in range(steps + 1):
-        _sync(dev)
-        t0 = time.perf_counter()
-        tr.train_step()
-        _sync(dev)
-        times.append(time.perf_counter() - t0)
+    times = [timed(tr.train_step, dev)[0] for _ in range(steps + 1)]
     peak = peak_memory_mb(dev)
     del tr
     _release(dev)
@@ -416,11 +393,7 @@ def _branch(session: Session, plan: BranchPlan, b: int, seed: int, first: float,
     try:
         while c.samples_seen < plan.start + plan.samples and below < 2:
             updates = c.ema_updates
-            _sync(session.rt.device)
-            t0 = time.perf_counter()
-            tr.train_step()
-            _sync(session.rt.device)
-            seconds += time.perf_counter() - t0
+            seconds += timed(tr.train_step, session.rt.device)[0]
             if c.ema_updates > updates:
                 beta = ema_beta(p.train, b, c.samples_seen)
                 position = beta * position + (1 - beta) * (c.samples_seen - plan.start)

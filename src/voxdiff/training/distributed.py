@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -140,6 +141,35 @@ def all_reduce_sum(values: list[float], rt: Runtime) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=rt.device if rt.device.type == "cuda" else "cpu")
     dist.all_reduce(t)
     return t.tolist()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU. Around anything timed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device) -> tuple[float, object]:
+    """(seconds, result) of fn(), the device's queued work included."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start peak_memory_mb's count again: CUDA's peak allocated, or on the CPU (Linux) this process's
+    peak RSS (VmHWM; writing "5" to /proc/self/clear_refs resets it), so a measurement after it is not the
+    peak of whatever ran before (imports, another micro-batch)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
 
 
 def peak_memory_mb(device: torch.device | None = None) -> float:

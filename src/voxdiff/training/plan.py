@@ -28,7 +28,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -257,24 +256,6 @@ def fmt_seconds(s: float) -> str:
 
 
 # --- measurements ----------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device: torch.device) -> tuple[float, object]:
-    _sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return time.perf_counter() - t0, out
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def measuring_params(params: Params, steps: int) -> Params:
     """params.yaml with a budget of exactly the measured steps, every window full."""
     raw = copy.deepcopy(params.raw)
@@ -286,14 +267,14 @@ def measure(trainer, steps: int, scratch_parent: Path) -> dict:
     """Time `steps` + 1 training steps (the first is the warm-up: left out), one validation, two probe
     gradients (the first warm), one checkpoint and one snapshot written (and the snapshot read) in a
     temporary folder under `scratch_parent`; peak memory of the steps alone and of everything."""
-    from voxdiff.training.distributed import peak_memory_mb
+    from voxdiff.training.distributed import peak_memory_mb, reset_peak_memory, timed
 
-    dev, tr = trainer.rt.device, trainer.p.train
-    _reset_peak(dev)
-    times = [_timed(trainer.train_step, dev)[0] for _ in range(steps + 1)]
+    dev = trainer.rt.device
+    reset_peak_memory(dev)
+    times = [timed(trainer.train_step, dev)[0] for _ in range(steps + 1)]
     out = {"first_step_s": times[0], "step_s": statistics.median(times[1:]), "step_times_s": times,
            "peak_memory_mb": peak_memory_mb(dev)}
-    out["validation_s"] = _timed(trainer.validation_loss, dev)[0]
+    out["validation_s"] = timed(trainer.validation_loss, dev)[0]
 
     params = [q for q in trainer.net.parameters() if q.requires_grad]
     noise = torch.zeros((1, *trainer.shape))
@@ -302,15 +283,15 @@ def measure(trainer, steps: int, scratch_parent: Path) -> dict:
         loss = trainer.losses(trainer.net, *trainer.on_device([0], [trainer.p.diffusion.timesteps // 2], [noise])).sum()
         return torch.autograd.grad(loss, params)
 
-    _timed(gradient, dev)
-    out["probe_gradient_s"] = _timed(gradient, dev)[0]
+    timed(gradient, dev)
+    out["probe_gradient_s"] = timed(gradient, dev)[0]
     out["peak_memory_all_mb"] = peak_memory_mb(dev)
     if trainer.rt.is_main:
         with tempfile.TemporaryDirectory(prefix=".voxdiff-plan-", dir=existing(scratch_parent)) as tmp:
             from voxdiff.training import checkpoint
 
             path = Path(tmp) / "checkpoint.pt"
-            out["checkpoint_write_s"] = _timed(lambda: checkpoint.save(path, trainer.state(False, None)), dev)[0]
+            out["checkpoint_write_s"] = timed(lambda: checkpoint.save(path, trainer.state(False, None)), dev)[0]
             out["checkpoint_measured_bytes"] = path.stat().st_size
             out["checkpoint_measured_history_steps"] = len(trainer.counters.history) or trainer.counters.step
             path.unlink()
@@ -318,9 +299,9 @@ def measure(trainer, steps: int, scratch_parent: Path) -> dict:
                 tracker = trainer.phema
                 folder, tracker.folder = tracker.folder, Path(tmp) / "phema"
                 try:
-                    out["snapshot_write_s"] = _timed(tracker.snapshot, dev)[0]
+                    out["snapshot_write_s"] = timed(tracker.snapshot, dev)[0]
                     files = list(tracker.folder.glob("*.pt"))
-                    out["snapshot_read_s"] = _timed(
+                    out["snapshot_read_s"] = timed(
                         lambda: [torch.load(f, map_location="cpu", weights_only=True) for f in files], dev)[0]
                 finally:
                     tracker.folder = folder
