@@ -55,15 +55,18 @@ def test_short_last_window_is_exact(tiny_root):
 
 @pytest.mark.parametrize("wrong", ["mean_over_k", "extra_1_over_b"])
 def test_negative_control_misnormalised_loss_is_caught(tiny_root, monkeypatch, wrong):
-    """The equivalence check fails when the loss is normalised the common wrong ways."""
-    def mean_over_k(n_micro, n_window, budget):  # mean of each micro-batch, then / k (HF 2024, Lightning)
-        return 1.0 / (n_micro * budget.accumulate_every)
+    """The equivalence check fails when the loss is normalised the common wrong ways: each micro-batch's
+    loss a mean over its own samples (the reduction's default), then divided by k or by the window."""
+    real_losses, real_weight = Trainer.losses, trainer_mod.micro_batch_weight
 
-    def extra_1_over_b(n_micro, n_window, budget):  # med-ddpm: loss.sum()/B on an already averaged loss
-        return 1.0 / (n_window * n_micro)
+    def mean_per_micro_batch(self, *args):
+        per_sample = real_losses(self, *args)
+        return per_sample / len(per_sample)
 
-    monkeypatch.setattr(trainer_mod, "micro_batch_weight", {"mean_over_k": mean_over_k,
-                                                            "extra_1_over_b": extra_1_over_b}[wrong])
+    weights = {"mean_over_k": lambda n_window, budget: 1.0 / budget.accumulate_every,  # HF 2024, Lightning
+               "extra_1_over_b": real_weight}  # med-ddpm: loss.sum()/B on an already averaged loss
+    monkeypatch.setattr(Trainer, "losses", mean_per_micro_batch)
+    monkeypatch.setattr(trainer_mod, "micro_batch_weight", weights[wrong])
     cfg = {"train.max_samples": 10}
     big, _ = train_weights(tiny_root, {**cfg, "train.batch_size": 4, "train.accumulate_every": 1})
     acc, _ = train_weights(tiny_root, {**cfg, "train.batch_size": 1, "train.accumulate_every": 4})

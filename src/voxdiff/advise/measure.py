@@ -239,12 +239,6 @@ class NoiseReading:
     adam: Estimate | None = None  # the marginal one in Adam's coordinates (no Adam state: None)
 
 
-def probe_at_checkpoint(trainer: Trainer) -> dict:
-    """The one call site of the noise-scale probe: gns.probe_noise_scale through the trainer, at its
-    current (raw) weights, marginal over timesteps and per bucket, each with an interval."""
-    return trainer.bucket_noise_scale()
-
-
 def noise_cost(params: Params, marginal: int) -> int:
     """Single-sample forward+backward passes of the probe (two passes per gradient)."""
     t = params.train
@@ -256,7 +250,7 @@ def noise_scale(session: Session, marginal: int, progress: Progress) -> NoiseRea
 
     progress.phase(f"noise scale: {noise_cost(session.params, marginal)} single-sample gradients")
     tr = session.trainer(session.params_for(1, 1, 1, gns_probe_samples=marginal))
-    values = probe_at_checkpoint(tr)
+    values = tr.bucket_noise_scale()  # gns.probe_noise_scale at the raw weights: marginal and per bucket
     del tr
     progress.tick(noise_cost(session.params, marginal))
     t = session.params.train

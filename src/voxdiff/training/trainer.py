@@ -57,13 +57,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def micro_batch_weight(n_micro: int, n_window: int, budget: Budget) -> float:
+def micro_batch_weight(n_window: int, budget: Budget) -> float:
     """Factor on the *sum* of a micro-batch's per-sample losses.
 
     Sample-weighted: each sample counts 1/n_window, however the window is cut into micro-batches,
     so a short last window is still exact (dividing by the configured k would not be). DDP averages
-    gradients over ranks, hence the world_size factor. n_micro is unused on purpose: a weight that
-    depends on it (mean per micro-batch, then /k) is the classic accumulation bug.
+    gradients over ranks, hence the world_size factor. The micro-batch's own size is not an argument on
+    purpose: a weight that depends on it (mean per micro-batch, then /k) is the classic accumulation bug.
     """
     return budget.world_size / n_window
 
@@ -188,7 +188,7 @@ class Trainer:
                 continue  # short last window: nothing left for this micro-batch
             # A rank with nothing left in the last window still runs a zero-weight micro-batch so
             # that DDP's gradient hooks fire the same number of times on every rank.
-            indices, weight = (micro, micro_batch_weight(len(micro), n_window, budget)) if micro else (list(window[:1]), 0.0)
+            indices, weight = (micro, micro_batch_weight(n_window, budget)) if micro else (list(window[:1]), 0.0)
             sync = contextlib.nullcontext() if (last or rt.world_size == 1) else self.model.no_sync()
             with sync:
                 per_sample = self.losses(self.model, *self.batch(indices))
