@@ -349,7 +349,7 @@ def sampling(ctx) -> dict:
     net = trainer.ema.module.eval()
     net = torch.compile(net) if ctx.compile else net
     cache, diff, K = ctx.cache, trainer.p.diffusion, ctx.base.evaluate.samples_per_condition
-    ssim = evaluate.ssim_metric(cache.images.shape[1:])
+    ssim = evaluate.BrainSSIM(cache.images.shape[1:])
     # As evaluate runs them: DDIM samples the K volumes of a label map in one batch, the ancestral
     # sampler one volume at a time; "ddim x1" is DDIM at batch 1, like for like with ancestral.
     runs = [("ddim", K), ("ancestral", 1), ("ddim x1", 1)]

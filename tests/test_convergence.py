@@ -195,3 +195,21 @@ def test_training_summary_logs_early_stoppings_point_from_its_validation_history
     assert own_best_figures(falling)["own_best_at_end"] == 1
     assert own_best_figures(falling)["own_best_step"] == history[-1 - BEST_WINDOW // 2]["step"]
     assert set(own_best_figures(history[:BEST_WINDOW - 1]).values()) == {None}
+
+
+def test_a_run_past_its_best_is_never_at_a_plateau():
+    """The eps-long runs over-fitted, rose 20-43 % above their best and flattened there: the last quarter alone
+    (change within 2 %) called them 'at plateau'. The verdict reads the level against the run's own best too."""
+    from voxdiff.convergence import FALLING, PAST_BEST, PLATEAU, plateau_change, plateau_verdict, reached_plateau
+
+    steps = np.arange(1, 41) * 64
+    dip = np.r_[np.linspace(1.0, 0.5, 15), np.linspace(0.5, 0.62, 10), np.full(15, 0.62)]  # over-fit, then flat
+    assert reached_plateau(plateau_change(steps, dip))  # the old criterion passes it
+    assert plateau_verdict(steps, dip) == PAST_BEST
+    rising = np.r_[np.linspace(1.0, 0.5, 25), np.linspace(0.5, 0.6, 15)]  # still rising at the end
+    assert plateau_verdict(steps, rising) == PAST_BEST
+    flat = np.r_[np.linspace(1.0, 0.5, 20), 0.5 + 0.002 * np.sin(np.arange(20))]  # settled within jitter
+    assert plateau_verdict(steps, flat) == PLATEAU
+    falling = np.linspace(1.0, 0.5, 40)  # lowest at the end: no best before it, and still falling
+    assert plateau_verdict(steps, falling) == FALLING
+    assert plateau_verdict(steps[:2], falling[:2]) is None

@@ -238,18 +238,18 @@ def test_metrics_on_a_device_agree_with_the_cpu_path():
     (the CPU default) nothing changed."""
     from scipy.ndimage import gaussian_filter
 
-    from voxdiff.evaluation.evaluate import fidelity, msssim_metric, ssim_metric
+    from voxdiff.evaluation.evaluate import fidelity, BrainMSSSIM, BrainSSIM
 
     rng = np.random.default_rng(0)
     real = np.clip(3 * gaussian_filter(rng.standard_normal((32, 32, 32)), 2), -1, 1).astype(np.float32)
     sample = np.clip(real + 0.2 * rng.standard_normal(real.shape), -1, 1).astype(np.float32)
     brain = real > -0.5
-    host, dev = fidelity(sample, real, brain, ssim_metric(real.shape)), fidelity(sample, real, brain, ssim_metric(real.shape, "cpu"))
-    assert ssim_metric(real.shape).device is None
+    host, dev = fidelity(sample, real, brain, BrainSSIM(real.shape)), fidelity(sample, real, brain, BrainSSIM(real.shape, "cpu"))
+    assert BrainSSIM(real.shape).device is None
     for k in ("ssim", "psnr", "mae"):
         assert dev[k] == pytest.approx(host[k], rel=1e-6), k
-    assert msssim_metric(real.shape, "cpu")(sample, real, brain) == pytest.approx(
-        msssim_metric(real.shape)(sample, real, brain), rel=1e-6)
+    assert BrainMSSSIM(real.shape, "cpu")(sample, real, brain) == pytest.approx(
+        BrainMSSSIM(real.shape)(sample, real, brain), rel=1e-6)
 
 
 def test_gpu_benchmark_smoke_writes_which_device_made_it(tmp_path):

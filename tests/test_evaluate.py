@@ -155,14 +155,14 @@ def test_floors_score_themselves_at_their_floor(project):
     """The two reference predictors, fed to the metric as if they were samples, score exactly their own
     floor; noise scores ~0 SSIM (windows centred in the brain only), the tissue-mean image far more."""
     from voxdiff.data.cache import open_cache
-    from voxdiff.evaluation.evaluate import (fidelity, fidelity_floors, noise_image, ssim_metric, tissue_mean_image,
+    from voxdiff.evaluation.evaluate import (fidelity, fidelity_floors, noise_image, BrainSSIM, tissue_mean_image,
                                              tissue_means)
 
     root, params, _ = project
     cache = open_cache(root / "data" / "processed")
     subjects = [{"real": np.asarray(cache.images[r], np.float32), "label": np.asarray(cache.labels[r])}
                 for r in cache.split_indices("val")]
-    ssim = ssim_metric((16, 16, 16))
+    ssim = BrainSSIM((16, 16, 16))
     floors = fidelity_floors(subjects, cache, ssim, seed=3)
     for name, make in (("noise", lambda s, e: noise_image(e["real"].shape, 3 + s)),
                        ("tissue_mean", lambda s, e: tissue_mean_image(tissue_means(cache), e["label"]))):
@@ -177,13 +177,18 @@ def test_floors_score_themselves_at_their_floor(project):
     assert fidelity(e["real"], e["real"], e["label"] > 0, ssim)["ssim"] == pytest.approx(1.0)
 
 
+def masked(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:
+    """The volume with a -1 background: how the metrics saw a sample before they kept to the brain."""
+    return np.where(brain, volume, -1.0).astype(np.float32)
+
+
 def test_noise_is_not_flattered_by_the_background():
     """Old metric (SSIM over the whole grid, background set to -1 in both) gave noise a high score from
     the identical background alone; the brain-centred SSIM does not. A 32^3 head: a ball of tissue in
     -1 background, as the cache stores it."""
     from monai.metrics import SSIMMetric
 
-    from voxdiff.evaluation.evaluate import masked, noise_image, ssim_metric
+    from voxdiff.evaluation.evaluate import BrainSSIM, noise_image
 
     z, y, x = np.mgrid[:32, :32, :32]
     brain = (z - 16) ** 2 + (y - 16) ** 2 + (x - 16) ** 2 < 10 ** 2
@@ -192,9 +197,9 @@ def test_noise_is_not_flattered_by_the_background():
     whole_grid = SSIMMetric(spatial_dims=3, data_range=2.0, win_size=11)
     as_before = float(whole_grid(torch.as_tensor(masked(noise, brain))[None, None],
                                  torch.as_tensor(masked(real, brain))[None, None]).mean())
-    now = ssim_metric(real.shape)(noise, real, brain)
+    now = BrainSSIM(real.shape)(noise, real, brain)
     assert as_before > 0.2 and abs(now) < 0.05
-    assert ssim_metric(real.shape)(real, real, brain) == pytest.approx(1.0)
+    assert BrainSSIM(real.shape)(real, real, brain) == pytest.approx(1.0)
 
 
 def test_contrast_order_needs_a_real_gap():
@@ -295,7 +300,7 @@ def test_msssim_fits_small_grids():
     MONAI's MultiScaleSSIMMetric of the same configuration (same scales, window and weights)."""
     from monai.metrics import MultiScaleSSIMMetric
 
-    from voxdiff.evaluation.evaluate import msssim_config, msssim_metric
+    from voxdiff.evaluation.evaluate import BrainMSSSIM, msssim_config
 
     assert msssim_config((32, 32, 32))[:2] == (3, 7) and msssim_config((16, 16, 16))[:2] == (2, 7)
     assert msssim_config((128, 128, 128))[:2] == (5, 7) and sum(msssim_config((32,) * 3)[2]) == pytest.approx(1)
@@ -303,7 +308,7 @@ def test_msssim_fits_small_grids():
     a = torch.rand(32, 32, 32, generator=g) * 2 - 1
     b = (a + 0.5 * torch.rand(a.shape, generator=g)).clamp(-1, 1)
     everywhere = np.ones(a.shape, bool)
-    metric = msssim_metric((32, 32, 32))
+    metric = BrainMSSSIM((32, 32, 32))
     assert metric(a.numpy(), a.numpy(), everywhere) == pytest.approx(1.0, abs=1e-4)
     ours = metric(a.numpy(), b.numpy(), everywhere)
     _, k, weights = msssim_config((32, 32, 32))
@@ -328,7 +333,7 @@ def test_diversity_is_not_flattered_by_the_shared_background(tmp_path):
     from monai.metrics import MultiScaleSSIMMetric
 
     from voxdiff.data.cache import open_cache
-    from voxdiff.evaluation.evaluate import masked, measure, msssim_config, noise_image
+    from voxdiff.evaluation.evaluate import measure, msssim_config, noise_image
 
     shape = (32, 32, 32)
     cache = open_cache(write_tiny_cache(tmp_path, shape=shape))
@@ -381,7 +386,7 @@ def test_diversity_reference_of_the_builtin_data_lies_between_the_extremes(built
     import dataclasses
 
     from voxdiff.data.cache import ProcessedCache
-    from voxdiff.evaluation.evaluate import (builtin_subject, diversity_reference, msssim_metric, noise_image,
+    from voxdiff.evaluation.evaluate import (builtin_subject, diversity_reference, BrainMSSSIM, noise_image,
                                              pairwise_msssim)
 
     params, cache = builtin_cache
@@ -397,7 +402,7 @@ def test_diversity_reference_of_the_builtin_data_lies_between_the_extremes(built
     assert np.array_equal(other_label, label) and np.abs(other - real)[label > 0].mean() > 0.01
 
     shape = real.shape
-    metric = msssim_metric(shape)
+    metric = BrainMSSSIM(shape)
     brains = [label > 0] * 2
     reference = diversity_reference(params, cache, rows, metric)
     assert reference == pytest.approx(pairwise_msssim([real, other], brains, metric))

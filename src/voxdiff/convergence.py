@@ -85,6 +85,31 @@ def past_its_lowest(change: float | None) -> bool:
     return change is not None and change > PLATEAU_THRESHOLD
 
 
+PLATEAU = "plateau"
+FALLING = "still falling"
+PAST_BEST = "past its best"
+
+
+def plateau_verdict(steps, losses, fraction: float = PLATEAU_FRACTION) -> str | None:
+    """PLATEAU, FALLING or PAST_BEST (None with too few validations): the one reading of a run's end that every
+    count and table uses. A run is past its best, never at a plateau, when its last quarter rose by more than
+    PLATEAU_THRESHOLD, or when it has settled more than PLATEAU_THRESHOLD above its own best (the lowest
+    window of BEST_WINDOW validations, before the end): a run that over-fitted and then flattened passes the
+    last-quarter test alone (the eps-long runs sat 20-43 % above their best)."""
+    return judge_plateau(plateau_change(steps, losses, fraction), plateau_level(steps, losses, fraction), losses)
+
+
+def judge_plateau(change: float | None, level: float | None, losses) -> str | None:
+    """plateau_verdict from a run's last-quarter change and level, worked out already, and its val losses."""
+    if change is None:
+        return None
+    best = best_point(losses)
+    above = best is not None and not best.at_end and level is not None and level > (1 + PLATEAU_THRESHOLD) * best.level
+    if past_its_lowest(change) or above:
+        return PAST_BEST
+    return PLATEAU if reached_plateau(change) else FALLING
+
+
 def plateau_level(steps, losses, fraction: float = PLATEAU_FRACTION) -> float | None:
     """Mean val loss of the validations in the last `fraction` of the run (the value a run settles at;
     an upper bound of its plateau when it is still falling). None without a validation there."""

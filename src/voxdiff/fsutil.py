@@ -47,6 +47,20 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def check_writable(path: str | os.PathLike) -> None:
+    """Fail before long work (sampling: minutes) rather than after: `path`'s folder must be creatable and
+    writable, and `path` itself if it exists. One line naming `path` (VoxdiffError)."""
+    from voxdiff.errors import VoxdiffError
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise VoxdiffError(f"{path}: cannot create its folder ({e.strerror or type(e).__name__})") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise VoxdiffError(f"{path}: not writable")
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

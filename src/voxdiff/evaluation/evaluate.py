@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import math
-import os
 import re
 import sys
 import warnings
@@ -61,7 +59,7 @@ from voxdiff.diffusion import objective
 from voxdiff.diffusion import sampling
 from voxdiff.data.cache import ProcessedCache, open_cache
 from voxdiff.errors import VoxdiffError
-from voxdiff.fsutil import atomic_path, sha256_file, write_json
+from voxdiff.fsutil import atomic_path, check_writable, sha256_file, write_json
 from voxdiff.params import Params
 from voxdiff.tracking import dvc_metrics
 
@@ -150,10 +148,6 @@ class BrainSSIM:
             return brain_ssim_and_cs(_vol(x, self.device), _vol(y, self.device), brain, self.k)[0]
 
 
-def ssim_metric(shape, device=None) -> BrainSSIM:
-    return BrainSSIM(shape, device)
-
-
 def msssim_config(shape) -> tuple[int, int, tuple[float, ...]]:
     """(scales, kernel size, weights) of MS-SSIM that fit a small grid.
 
@@ -211,17 +205,9 @@ class BrainMSSSIM:
         return float(np.prod([max(t, 0.0) ** w for t, w in zip(terms, self.weights)]))
 
 
-def msssim_metric(shape, device=None) -> BrainMSSSIM:
-    return BrainMSSSIM(shape, device)
-
-
 def _vol(x: np.ndarray, device=None) -> torch.Tensor:
     v = torch.from_numpy(np.array(x, np.float32))[None, None]  # a copy: cache rows are read-only memmaps
     return v if device is None else v.to(device)
-
-
-def masked(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:
-    return np.where(brain, volume, -1.0).astype(np.float32)
 
 
 def brain_filled(volume: np.ndarray, brain: np.ndarray) -> np.ndarray:
@@ -372,16 +358,6 @@ def class_keys(params: Params, label_values: list[int]) -> tuple[list[str], list
 
 
 # --- the stage ----------------------------------------------------------------------------------------
-def _writable(path: Path) -> None:
-    """Fail before sampling (minutes) rather than after: the output's folder must be creatable and writable."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise VoxdiffError(f"{path}: cannot create its folder ({e.strerror or type(e).__name__})") from None
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise VoxdiffError(f"{path}: not writable")
-
-
 @contextlib.contextmanager
 def _writing(path: Path):
     try:
@@ -478,7 +454,7 @@ def evaluate_network(net, diff_p, params: Params, cache: ProcessedCache, state: 
         bar.close()
 
     metrics = measure(subjects, cache, val_rows, C, keys, shape, reference, metric_device)
-    metrics.update(fidelity_floors(subjects, cache, ssim_metric(shape, metric_device), params.seed))
+    metrics.update(fidelity_floors(subjects, cache, BrainSSIM(shape, metric_device), params.seed))
     metrics["eval_beats_floors"] = int(beats_floors(metrics))
     metrics = {"eval_val_loss": val_loss, **metrics,
                "eval_seconds_per_volume": float(np.mean([x["seconds"] for x in records])),
@@ -486,7 +462,7 @@ def evaluate_network(net, diff_p, params: Params, cache: ProcessedCache, state: 
                "eval_sampling_steps": records[0]["steps"], "eval_subjects": len(rows),
                "eval_samples_per_condition": K}
     if ev.ancestral:
-        ssim = ssim_metric(shape, metric_device)
+        ssim = BrainSSIM(shape, metric_device)
         metrics["eval_ssim_ancestral"] = float(np.mean([ssim(e["ancestral"], e["real"], e["label"] > 0)
                                                         for e in subjects]))
         metrics["eval_seconds_per_volume_ancestral"] = float(np.mean([x["seconds"] for x in records_a]))
@@ -510,14 +486,14 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     rows = val_rows[: ev.subjects] if ev.subjects else val_rows
     check_compatible(state, cache, out["checkpoint"], rows)
     for key in ("samples", "metrics", "plots"):
-        _writable(out[key])
+        check_writable(out[key])
 
     from voxdiff.training.distributed import configure_backends, pick_device
 
     device = pick_device(params.train.device)
     configure_backends(device, params.train.tf32, params.train.deterministic)  # CUDA only: as training ran
     metric_device = device if device.type == "cuda" else None
-    reference = diversity_reference(params, cache, rows, msssim_metric(tuple(cache.images.shape[1:]), metric_device))
+    reference = diversity_reference(params, cache, rows, BrainMSSSIM(tuple(cache.images.shape[1:]), metric_device))
     if reference is None and not params.data.builtin:
         say("no diversity reference (eval_diversity_reference): it exists for the built-in data only")
     which, weights = evaluated_weights(state, ev.checkpoint)
@@ -575,13 +551,13 @@ def measure(subjects: list[dict], cache: ProcessedCache, val_rows, C: int, keys:
     the samples' diversity when there is one. SSIM, MS-SSIM, PSNR and MAE run on `device` (None: the CPU)."""
     from scipy.stats import wasserstein_distance
 
-    ssim = ssim_metric(shape, device)
+    ssim = BrainSSIM(shape, device)
     fid = [fidelity(x, e["real"], e["label"] > 0, ssim) for e in subjects for x in e["samples"]]
     for e, chunk in zip(subjects, np.array_split(np.arange(len(fid)), len(subjects))):
         e["scores"] = [fid[i] for i in chunk]
     m: dict = {f"eval_{k}": float(np.mean([f[k] for f in fid])) for k in ("ssim", "psnr", "mae")}
 
-    ms = msssim_metric(shape, device)
+    ms = BrainMSSSIM(shape, device)
     within = [pairwise_msssim(e["samples"], [e["label"] > 0] * len(e["samples"]), ms) for e in subjects]
     within = [w for w in within if w is not None]
     m["eval_msssim_samples"] = float(np.mean(within)) if within else None

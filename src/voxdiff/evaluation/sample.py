@@ -11,7 +11,6 @@ affine and shape) and written as NIfTI.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     from voxdiff.diffusion import sampling
     from voxdiff.training import distributed
     from voxdiff.errors import VoxdiffError
-    from voxdiff.fsutil import atomic_path
+    from voxdiff.fsutil import atomic_path, check_writable
     from voxdiff.data.preprocess import preprocess_label, to_original_grid
 
     checkpoint_path, label_path, out_path = Path(checkpoint_path), Path(label_path), Path(out_path)
@@ -89,12 +88,7 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     distributed.configure_backends(device, tf32, deterministic)  # CUDA only: TF32 and cuDNN as evaluate sets them
     rt = sampling.checkpoint_runtime(state, device, precision_request, checkpoint_path)  # evaluate's precision
     net, _, diffusion = sampling.load_ema_network(state, device, source=checkpoint_path, num_classes=len(label_values))
-    try:  # the inputs are good: now the output folder, still before the sampling (minutes)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise VoxdiffError(f"{out_path}: cannot create its folder ({e.strerror or type(e).__name__})") from None
-    if not os.access(out_path.parent, os.W_OK):
-        raise VoxdiffError(f"{out_path}: the folder is not writable")
+    check_writable(out_path)  # the inputs are good: now the output, still before the sampling (minutes)
 
     record: list[dict] = []
     labels = torch.from_numpy(np.asarray(classes, np.int64))[None]

@@ -68,6 +68,11 @@ class RunData:
         return convergence.plateau_change(self.val_steps, self.val_loss) if self.has_val else None
 
     @functools.cached_property
+    def plateau_verdict(self) -> str | None:
+        """convergence.plateau_verdict: at its plateau, still falling or past its best (never 'plateau' then)."""
+        return convergence.judge_plateau(self.plateau_change, self.plateau_level, self.val_loss) if self.has_val else None
+
+    @functools.cached_property
     def plateau_level(self) -> float | None:
         """The mean val loss over the last quarter of the run's steps (convergence.plateau_level), once."""
         return convergence.plateau_level(self.val_steps, self.val_loss) if self.has_val else None

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from voxdiff.convergence import (BEST_WINDOW, PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch,
-                                 past_its_lowest, reached_plateau, target_levels)
+                                 FALLING, PAST_BEST, PLATEAU, target_levels)
 from voxdiff.fsutil import atomic_path
 from voxdiff.report.loading import RunData, as_float
 from voxdiff.report.statistics import (ALPHA, GroupSummary, compare_means, confounders, holm,
@@ -123,7 +123,7 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None) ->
         levels = [r.plateau_level for r in rs if r.plateau_level is not None]
         changes = [r.plateau_change for r in rs if r.plateau_change is not None]
         lines.append(f"| {b:g} | {len(rs)} | {mean_std(levels, '.4g', '.2g')} | {percent_cell(changes)} | "
-                     f"{plateau_count(changes)} |")
+                     f"{plateau_count([r.plateau_verdict for r in rs if r.plateau_change is not None])} |")
     return lines + ["", *measured_vs_predicted(by_batch, measured)]
 
 
@@ -241,16 +241,17 @@ def reading_section(groups: list[GroupSummary], runs: list[RunData], group_by: s
                      f"({mean_std(fastest.samples_to_target, '.0f')}).")
         lines += _verdicts([(f"{group_by}={g.key}", g.samples_to_target) for g in reached if g is not fastest],
                            f"{group_by}={fastest.key}", fastest.samples_to_target, "samples to target")
-    falling = [g for g in measured if g.plateau and g.at_plateau < len(g.plateau)]
+    falling = [g for g in measured if g.still_falling]
     if falling:
         lines.append(f"- Still falling at the end of the budget (last quarter down by {100 * PLATEAU_THRESHOLD:g} % "
-                     "or more) in " + ", ".join(f"{group_by}={g.key} ({len(g.plateau) - g.at_plateau}/{len(g.plateau)} "
+                     "or more) in " + ", ".join(f"{group_by}={g.key} ({g.still_falling}/{len(g.plateau)} "
                                                 f"runs, {percent_cell(g.plateau)})" for g in falling)
                      + ": their final val loss is where the budget stopped them, not where they converge.")
-    rising = [g for g in measured if any(past_its_lowest(c) for c in g.plateau)]
+    rising = [g for g in measured if g.past_best]
     if rising:
-        lines.append(f"- Rising at the end of the budget (last quarter up by more than {100 * PLATEAU_THRESHOLD:g} %) in "
-                     + ", ".join(f"{group_by}={g.key} ({sum(past_its_lowest(c) for c in g.plateau)}/{len(g.plateau)} "
+        lines.append(f"- Past their best at the end of the budget (last quarter up by more than {100 * PLATEAU_THRESHOLD:g} %, "
+                     f"or settled more than {100 * PLATEAU_THRESHOLD:g} % above their own best) in "
+                     + ", ".join(f"{group_by}={g.key} ({g.past_best}/{len(g.plateau)} "
                                  "runs)" for g in rising)
                      + ": past their lowest val loss (over-fitting or a spike), so their final val loss is above "
                      "their plateau's level; compare them at their own best (the table \"At each setting's own "
@@ -359,9 +360,10 @@ def percent_cell(changes: list[float]) -> str:
     return cell if cell == "—" else f"{cell} %"
 
 
-def plateau_count(changes: list[float]) -> str:
-    """'k/n': runs at their plateau out of those whose last quarter could be measured."""
-    return f"{sum(bool(reached_plateau(c)) for c in changes)}/{len(changes)}" if changes else "—"
+def plateau_count(verdicts: list[str]) -> str:
+    """'k/n': runs at their plateau (convergence.plateau_verdict: one past its best is not) out of those whose
+    last quarter could be measured."""
+    return f"{verdicts.count(PLATEAU)}/{len(verdicts)}" if verdicts else "—"
 
 
 def summary_table(groups: list[GroupSummary], group_by: str) -> list[str]:
@@ -374,7 +376,7 @@ def summary_table(groups: list[GroupSummary], group_by: str) -> list[str]:
         stats = (f"{mean_std(g.final_val, '.4g', '.2g')} | {reached_cell(g.steps_to_target, g, '.0f')} | "
                  f"{reached_cell(g.samples_to_target, g, '.0f')} | {reached_cell(g.time_to_target, g, '.1f')} | "
                  f"{mean_std(g.total_wall_time, '.1f')} | {mean_std(g.peak_memory_mb, '.0f')} | "
-                 f"{mean_std(g.flattening, '.2f')} | {percent_cell(g.plateau)} | {plateau_count(g.plateau)}"
+                 f"{mean_std(g.flattening, '.2f')} | {percent_cell(g.plateau)} | {plateau_count(g.verdicts)}"
                  if g.n else "no val_loss | — | — | — | — | — | — | — | —")
         lines.append(f"| {group_by}={g.key} | {s['micro-batch']} | {s['accumulate_every']} | "
                      f"{s['effective batch']} | {s['lr']} | {g.n} | {stats} |")
@@ -388,7 +390,10 @@ EVAL_COLUMNS = (("eval_ssim", "SSIM"), ("eval_ssim_floor_tissue_mean", "SSIM flo
                 ("eval_psnr_floor_tissue_mean", "PSNR floor: tissue mean"), ("eval_mae", "MAE"),
                 ("eval_mae_floor_tissue_mean", "MAE floor: tissue mean"), ("eval_msssim_samples",
                 "MS-SSIM between samples (1 = identical)"), ("eval_contrast_ratio", "contrast ratio"),
-                ("eval_beats_floors", "runs beating both floors"))
+                ("eval_beats_floors", "runs beating both floors"),
+                ("eval_dice_fidelity_mean", "Dice: label fidelity"),
+                ("eval_dice_fidelity_mean_ceiling", "Dice: real volumes"),
+                ("eval_dice_tstr_ratio", "Dice: trained on synthetic / on real"))
 
 
 def eval_cell(key: str, values: list[float]) -> str:
@@ -410,7 +415,10 @@ def eval_table(groups: list[GroupSummary], group_by: str) -> list[str]:
              "Evaluation of each run's EMA model (DDIM samples for the validation label maps) against the real "
              "volumes, inside the brain, next to the two floors every model should beat: the tissue-mean "
              "image (each class's mean intensity) and noise. Mean ± std over seeds; a value without ± is the "
-             "same in every run (the tissue-mean floor depends on the data only).", "",
+             "same in every run (the tissue-mean floor depends on the data only). Dice (evaluation/segmenter.py): segmenters "
+             "trained on the real volumes segment the samples, scored against the label maps they were generated from, "
+             "beside the same segmenters on the real volumes; and a segmenter trained on synthetic volumes against one "
+             "trained on real ones, both tested on the real validation volumes.", "",
              "| setting | " + " | ".join(name for _, name in columns) + " |", "|---|" + "---|" * len(columns)]
     for g in groups:
         cells = (eval_cell(k, g.eval.get(k, [])) for k, _ in columns)
@@ -499,8 +507,8 @@ def runs_table(groups: dict[str, list[RunData]], group_by: str) -> list[str]:
         for r in runs:
             final = f"{r.final_val_loss:.4g}" if r.has_val else "no val_loss"
             change = r.plateau_change
-            verdict = ("yes, rising: past its lowest" if past_its_lowest(change)
-                       else {None: "—", True: "yes", False: "no: still falling"}[reached_plateau(change)])
+            verdict = {None: "—", PLATEAU: "yes", FALLING: "no: still falling",
+                       PAST_BEST: "no: past its best"}[r.plateau_verdict]
             lines.append(f"| {group_by}={key} | {r.run_id} | {r.params.get('seed', '?')} | "
                          f"{r.tags.get('voxdiff.dvc_exp_name', '')} | {final} | "
                          f"{'—' if change is None else f'{100 * change:+.1f} %'} | {verdict} |")

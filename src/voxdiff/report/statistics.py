@@ -9,25 +9,23 @@ from typing import NamedTuple
 
 import numpy as np
 
-from voxdiff.convergence import best_point, reached_plateau
+from voxdiff.convergence import FALLING, PAST_BEST, PLATEAU, best_point
+from voxdiff.params import MEASUREMENT_KEYS, OPERATIONAL_KEYS
 from voxdiff.report.loading import RunData, as_float
 
 
 EXPECTED_TO_VARY = {"seed", "effective_batch_size", "effective_lr",  # derived from the effective batch by train.lr_scaling
                     "effective_adam_beta1", "effective_adam_beta2", "effective_adam_eps"}
-# Params that change what is measured about a run, not its training trajectory: not confounders.
-MEASUREMENT_ONLY_PREFIXES = ("train.phema_",)
 # Params that do not shape the training trajectory: two runs equal in everything else are the same
 # configuration trained twice (a re-run), not two seeds. Where runs go (mlflow.*), what is evaluated
-# afterwards (evaluate.*), and the trainer's measurement-only and operational keys (training/trainer.py:
-# MEASUREMENT_KEYS, OPERATIONAL_KEYS; tests/test_compare.py checks the two lists agree): validation and
-# noise-scale probes, post-hoc EMA profiles (tracked beside the model, never fed back into it), the
+# afterwards (evaluate.*), and the keys the trainer leaves out of its fingerprint (params.py: MEASUREMENT_KEYS,
+# OPERATIONAL_KEYS, the one list both read): validation and noise-scale probes, post-hoc EMA profiles, the
 # checkpoint cadence, the device, torch.compile and the precision asked for (the resolved precision, which
 # does change the numbers, is its own param and stays in; so do train.tf32 and train.deterministic).
-NOT_TRAINING_PREFIXES = ("mlflow.", "evaluate.", "train.gns_", *MEASUREMENT_ONLY_PREFIXES)
-NOT_TRAINING_KEYS = {"train.val_every_samples", "train.val_draws", "train.val_seed", "train.checkpoint_every",
-                     "train.device", "device_resolved", "train.precision", "train.fp16_max_skipped_steps",
-                     "train.compile"}
+# train.gns_* and train.phema_* are measurement-only as families (tests/test_compare.py: every current one is in
+# MEASUREMENT_KEYS): the prefixes also cover retired keys that archived runs carry (phema_snapshot_every_samples).
+NOT_TRAINING_PREFIXES = ("mlflow.", "evaluate.", "train.gns_", "train.phema_")
+NOT_TRAINING_KEYS = {f"train.{k}" for k in MEASUREMENT_KEYS + OPERATIONAL_KEYS} | {"device_resolved"}
 # Training keys added after runs were archived, at the value that gives the behaviour those runs had
 # (docs/study/grid.py says the same): a run without the key trained that way, so a missing key is neither
 # a difference between runs nor another configuration.
@@ -75,6 +73,7 @@ class GroupSummary:
     posthoc: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # phema_* and ema_sigma_rel
     plateau: list[float] = dataclasses.field(default_factory=list)  # last-quarter relative change per run
     best: list[RunBest] = dataclasses.field(default_factory=list)   # each run at its lowest val loss
+    verdicts: list[str] = dataclasses.field(default_factory=list)  # convergence.plateau_verdict per run, as plateau
 
     @property
     def n(self) -> int:
@@ -82,8 +81,16 @@ class GroupSummary:
 
     @property
     def at_plateau(self) -> int:
-        """Runs whose last quarter fell by less than PLATEAU_THRESHOLD (voxdiff.convergence)."""
-        return sum(bool(reached_plateau(c)) for c in self.plateau)
+        """Runs at their plateau by convergence.plateau_verdict (a run past its best is not one)."""
+        return self.verdicts.count(PLATEAU)
+
+    @property
+    def still_falling(self) -> int:
+        return self.verdicts.count(FALLING)
+
+    @property
+    def past_best(self) -> int:
+        return self.verdicts.count(PAST_BEST)
 
 
 def shapes_training(key: str) -> bool:
@@ -160,6 +167,7 @@ def summarize_group(key: str, runs: list[RunData], target: float | None) -> Grou
         flattening=[r.metrics["val_flattening"] for r in with_val if "val_flattening" in r.metrics],
         plateau=[r.plateau_change for r in with_val if r.plateau_change is not None],
         best=[b for r in with_val if (b := run_best(r)) is not None],
+        verdicts=[r.plateau_verdict for r in with_val if r.plateau_change is not None],
         eval={k: [r.metrics[k] for r in with_val if k in r.metrics] for k in evals},
         posthoc=posthoc_metrics(with_val),
     )
