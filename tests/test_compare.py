@@ -841,3 +841,16 @@ def test_each_runs_plateau_is_worked_out_once(tmp_path, monkeypatch):
     assert calls == {"plateau_change": runs, "plateau_level": runs}
     rebuilt = out.read_text().replace(f"`{FIXTURE / 'runs'}`", "`tests/fixtures/archive/runs`")
     assert rebuilt == (FIXTURE / "report.md").read_text()
+
+
+def test_every_measurement_family_key_is_in_the_one_list():
+    """compare leaves train.gns_* and train.phema_* out by prefix (archived runs carry retired keys of both
+    families), the trainer by MEASUREMENT_KEYS: every current key of both families must be in that list, or
+    the two would disagree on what a re-run is (phema_snapshots and phema_sigma_rels forced a retrain while
+    compare called them measurement-only). NOT_TRAINING_KEYS is that list, not a copy of it."""
+    from voxdiff.params import MEASUREMENT_KEYS, OPERATIONAL_KEYS, SCHEMA
+    from voxdiff.report.statistics import NOT_TRAINING_KEYS
+
+    family = {k for k in SCHEMA["train"] if k.startswith(("gns_", "phema_"))}
+    assert family and family <= set(MEASUREMENT_KEYS), sorted(family - set(MEASUREMENT_KEYS))
+    assert NOT_TRAINING_KEYS == {f"train.{k}" for k in MEASUREMENT_KEYS + OPERATIONAL_KEYS} | {"device_resolved"}

@@ -79,7 +79,8 @@ def test_recording_code_is_not_in_the_training_hash():
 
 # --- item 2: measurement-only keys keep the run ---------------------------------------------------------
 @pytest.mark.parametrize("key,value", [("train.val_seed", 99), ("train.gns_bucket_samples", 5),
-                                       ("train.phema_eval_sigma_rels", [0.05, 0.1]), ("train.val_every_samples", 2)])
+                                       ("train.phema_eval_sigma_rels", [0.05, 0.1]), ("train.val_every_samples", 2),
+                                       ("train.phema_snapshots", 5), ("train.phema_sigma_rels", [0.05, 0.2])])
 def test_measurement_keys_do_not_change_the_fingerprint(tiny_root, key, value):
     assert key.split(".")[1] in MEASUREMENT_KEYS
     assert trainer_for(tiny_root).fingerprint() == trainer_for(tiny_root, {key: value}).fingerprint()
@@ -163,6 +164,40 @@ def test_revalidated_finished_run_updates_mlflow_and_does_not_mix_draws(tiny_roo
     assert again["val_draws_note"] == note
     detail = json.loads((tiny_root / "metrics" / "train_detail.json").read_text())
     assert detail["best_val_loss"] is None and detail["final_val_loss"] == again["final_val_loss"]
+
+
+def test_changed_phema_settings_resume_the_run_with_its_own_profiles(tiny_root, tmp_path, monkeypatch):
+    """issue 36 item 4: lowering train.phema_snapshots (what the disk-full message advises) or changing
+    train.phema_sigma_rels resumes the run, recorded as a measurement change. The run keeps the profiles it
+    started with (a profile added at step 2 would not span the run, which EDM2's reconstruction assumes); the
+    snapshots folder holds exactly the snapshots the checkpoint lists, taken at the new cadence from the resume
+    on; the weights are those of an uninterrupted run."""
+    cfg = {**SHORT, "train.phema_sigma_rels": [0.05, 0.1], "train.phema_snapshots": 4}
+    ref_root = tmp_path / "ref"
+    ref_root.mkdir()
+    (ref_root / "data").symlink_to(tiny_root / "data")
+    run_training(make_params(cfg), ref_root, progress=False)
+    ref = checkpoint(ref_root)
+
+    real_step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if self.counters.step == 2 else real_step(self))
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params(cfg), tiny_root, progress=False)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    stopped = checkpoint(tiny_root)
+    assert stopped["step"] == 2 and stopped["phema"]["snapshots"] == [1, 2]  # 4 per run: every 2 samples
+    summary = run_training(make_params({**cfg, "train.phema_sigma_rels": [0.05, 0.1, 0.2],
+                                        "train.phema_snapshots": 2}), tiny_root, progress=False)
+    done = checkpoint(tiny_root)
+    assert done["finished"] and done["mlflow_run_id"] == stopped["mlflow_run_id"]
+    assert done["measurement_changes"] == [{"step": 2, "keys": ["phema_sigma_rels", "phema_snapshots"]}]
+    assert done["phema"]["sigma_rels"] == [0.05, 0.1] and done["phema"]["snapshots"] == [1, 2, 4]  # 2 per run: 4, 8
+    folder = tiny_root / "models" / "phema"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        f"{i}.{s}.{done['phema']['run']}.pt" for s in (1, 2, 4) for i in range(2))
+    assert all(torch.equal(ref["model"][k], done["model"][k]) for k in ref["model"])
+    assert summary["phema_best_val_loss"] is not None
 
 
 # --- item 9: a resume cannot switch precision -----------------------------------------------------------

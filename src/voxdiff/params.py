@@ -294,6 +294,27 @@ class Train:
     early_stop_patience_samples: int
 
 
+# What a change to each train.* key invalidates (docs/exactness.md, "What a change invalidates"). One list, read
+# by the trainer's fingerprint (training/trainer.py) and by compare's "same configuration" (report/statistics.py).
+# Measurement-only: what is measured during training, never a weight (validation and the probes touch neither
+# .grad, the optimizer nor any RNG: tests/test_training_controls.py; the post-hoc EMA profiles are averaged
+# beside the model, never fed back into it): a change keeps the run and is recorded. phema_sigma_rels: a resumed
+# run keeps the profiles it started with (EDM2's reconstruction needs each to span the run from its first step).
+MEASUREMENT_KEYS = ("val_every_samples", "val_draws", "val_seed", "gns_smoothing", "gns_buckets",
+                    "gns_bucket_samples", "gns_buckets_every_samples", "gns_probe_samples", "gns_ci_level",
+                    "phema_sigma_rels", "phema_snapshots", "phema_eval_sigma_rels")
+# Where and how often the run is written and run: no effect on the trajectory. precision is not here
+# because its *resolved* value is part of the fingerprint (auto resolves per machine). compile is: it runs
+# the same maths through other kernels (rounding differs at the last bits, as between two GPUs, and the
+# device is operational too), so a run may be resumed with or without it. tf32 and deterministic are NOT
+# here, so they stay in the fingerprint: tf32 changes the number format of every fp32 matmul and
+# convolution on CUDA (a 10-bit mantissa), like the precision, and a user turns it off to check exactness,
+# which a run made with it on must not stand for; deterministic is what a run-to-run equality claim rests
+# on, which a run resumed without it would break. On the CPU both are no-ops, so toggling them there
+# retrains for nothing; DVC reruns the stage for any train.* change anyway.
+OPERATIONAL_KEYS = ("checkpoint_every", "device", "precision", "fp16_max_skipped_steps", "compile")
+
+
 @dataclasses.dataclass(frozen=True)
 class Evaluate:
     subjects: int

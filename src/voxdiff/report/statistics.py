@@ -11,6 +11,7 @@ import numpy as np
 
 from voxdiff.convergence import FALLING, PAST_BEST, PLATEAU, best_point
 from voxdiff.params import MEASUREMENT_KEYS, OPERATIONAL_KEYS
+from voxdiff.params import MEASUREMENT_KEYS, OPERATIONAL_KEYS
 from voxdiff.report.loading import RunData, as_float
 
 

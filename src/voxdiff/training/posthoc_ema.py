@@ -81,9 +81,6 @@ class ProfileTracker:
 
     def __init__(self, net: torch.nn.Module, make_copy: Callable[[], torch.nn.Module],
                  sigma_rels: tuple[float, ...], folder: Path, fingerprint: str):
-        from ema_pytorch import KarrasEMA
-        from ema_pytorch.post_hoc_ema import sigma_rel_to_gamma
-
         # KarrasEMA directly, not PostHocEMA: PostHocEMA creates its checkpoint folder when built,
         # which raced when every DDP rank built one on a first run (and would make an output appear
         # before training starts). Building the tracker touches no disk; snapshot() creates the folder.
@@ -92,12 +89,20 @@ class ProfileTracker:
         # make_copy: a plain copy of the network; deep-copying `net` itself would also copy any
         # forward patched for activation checkpointing, which still points at `net`'s blocks.
         self.make_copy = make_copy
-        self.gammas = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)
+        self.net = net
+        self._track(sigma_rels)
+        self.taken: list[int] = []  # profile steps with a snapshot; in the checkpoint (state_dict)
+
+    def _track(self, sigma_rels: Sequence[float]) -> None:
+        from ema_pytorch import KarrasEMA
+        from ema_pytorch.post_hoc_ema import sigma_rel_to_gamma
+
+        self.sigma_rels = tuple(float(s) for s in sigma_rels)
+        self.gammas = tuple(sigma_rel_to_gamma(s) for s in self.sigma_rels)
         if len(set(self.gammas)) != len(self.gammas) or len(self.gammas) < 2:
             raise ValueError(f"post-hoc EMA needs at least 2 distinct profiles, got sigma_rels {sigma_rels}")
-        self.profiles = torch.nn.ModuleList(KarrasEMA(net, gamma=g, ema_model=make_copy, update_every=1)
+        self.profiles = torch.nn.ModuleList(KarrasEMA(self.net, gamma=g, ema_model=self.make_copy, update_every=1)
                                             for g in self.gammas)
-        self.taken: list[int] = []  # profile steps with a snapshot; in the checkpoint (state_dict)
 
     @property
     def step(self) -> int:
@@ -160,9 +165,16 @@ class ProfileTracker:
 
     def state_dict(self) -> dict:
         """Profiles, the steps snapshotted and the run the snapshot names carry (checkpoint's phema)."""
-        return {"profiles": self.profiles.state_dict(), "snapshots": list(self.taken), "run": self.fingerprint}
+        return {"profiles": self.profiles.state_dict(), "snapshots": list(self.taken), "run": self.fingerprint,
+                "sigma_rels": list(self.sigma_rels)}
 
     def load_state_dict(self, state: dict) -> None:
+        # The profiles the run started with, whatever train.phema_sigma_rels says now: EDM2's reconstruction
+        # takes snapshot i as the power-function average over [0, t_i], so a profile started mid-run (or a
+        # snapshot of one) would be solved for as if it spanned the run. A changed list applies to a run from
+        # scratch; the run goes on (the key is measurement-only) and the change is recorded.
+        if tuple(state.get("sigma_rels", self.sigma_rels)) != self.sigma_rels:
+            self._track(state["sigma_rels"])
         self.profiles.load_state_dict(state["profiles"])
         self.taken = [int(s) for s in state["snapshots"]]
         self.fingerprint = state["run"]  # the snapshots are named after the run that took them

@@ -74,6 +74,11 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
             trainer.counters.measurement_changes.append({"step": trainer.counters.step, "keys": changed})
             say(rt, f"measurement settings changed since the checkpoint ({', '.join('train.' + k for k in changed)}): "
                     f"the run goes on; curves before and after step {trainer.counters.step} were measured differently")
+        if "phema_sigma_rels" in changed:
+            kept = (state["phema"] or {}).get("sigma_rels") or []
+            say(rt, "train.phema_sigma_rels: the run keeps the post-hoc EMA profiles it started with "
+                    f"({', '.join(f'{s:g}' for s in kept) or 'none'}): each must span the run from its first step; "
+                    "the new list applies to a run from scratch")
     if trainer.phema is not None and rt.is_main:
         # Only this run's snapshots: others removed, a missing one refused (a finished run only warns).
         lost = trainer.phema.claim(out["checkpoint"], finished=bool(state and state.get("finished")))

@@ -28,25 +28,9 @@ from voxdiff.data.cache import ProcessedCache
 from voxdiff.training.distributed import Runtime, all_reduce_sum, peak_memory_mb
 from voxdiff.errors import TrainingDiverged
 from voxdiff.diffusion.model import build_inferer, build_network, build_scheduler, enable_activation_checkpointing
-from voxdiff.params import Params
+# MEASUREMENT_KEYS, OPERATIONAL_KEYS: the train.* keys left out of the fingerprint (one list, read by compare too)
+from voxdiff.params import MEASUREMENT_KEYS, OPERATIONAL_KEYS, Params
 from voxdiff.training.schedule import Budget, adam_settings, ema_beta, ema_halflife, lr_at, plan_budget
-
-# What a change to each train.* key invalidates (README, "Resume and retrain"). These only decide what
-# is measured during training, never a weight (validation and the probes touch neither .grad, the
-# optimizer nor any RNG: tests/test_training_controls.py): a change keeps the run and is recorded.
-MEASUREMENT_KEYS = ("val_every_samples", "val_draws", "val_seed", "gns_smoothing", "gns_buckets",
-                    "gns_bucket_samples", "gns_buckets_every_samples", "gns_probe_samples", "gns_ci_level",
-                    "phema_eval_sigma_rels")
-# Where and how often the run is written and run: no effect on the trajectory. precision is not here
-# because its *resolved* value is part of the fingerprint (auto resolves per machine). compile is: it runs
-# the same maths through other kernels (rounding differs at the last bits, as between two GPUs, and the
-# device is operational too), so a run may be resumed with or without it. tf32 and deterministic are NOT
-# here, so they stay in the fingerprint: tf32 changes the number format of every fp32 matmul and
-# convolution on CUDA (a 10-bit mantissa), like the precision, and a user turns it off to check exactness,
-# which a run made with it on must not stand for; deterministic is what a run-to-run equality claim rests
-# on, which a run resumed without it would break. On the CPU both are no-ops, so toggling them there
-# retrains for nothing; DVC reruns the stage for any train.* change anyway.
-OPERATIONAL_KEYS = ("checkpoint_every", "device", "precision", "fp16_max_skipped_steps", "compile")
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -99,9 +83,7 @@ class Trainer:
         self.ema = AveragedModel(self.net, use_buffers=True)
         self.best = BestWeights(self.ema, params.train.early_stop_patience_samples)  # the run at its own best
         tr = params.train
-        self.phema = (posthoc_ema.ProfileTracker(self.net, lambda: copy.deepcopy(self.ema.module),
-                                                 tr.phema_sigma_rels, root / "models" / "phema", self.fingerprint())
-                      if tr.phema_sigma_rels else None)
+        self.phema = self._profiles(tr.phema_sigma_rels) if tr.phema_sigma_rels else None
         if params.model.activation_checkpointing:
             enable_activation_checkpointing(self.net)
         self.scheduler = build_scheduler(params.diffusion)
@@ -126,6 +108,11 @@ class Trainer:
             self.model = torch.compile(self.model)
         self.val_set = objective.val_draws(params.train.val_seed, len(self.val_rows), params.train.val_draws,
                                            params.diffusion.timesteps, (1, *self.shape))
+
+    def _profiles(self, sigma_rels) -> posthoc_ema.ProfileTracker:
+        """The post-hoc EMA profiles at these lengths, averaging the network being trained."""
+        return posthoc_ema.ProfileTracker(self.net, lambda: copy.deepcopy(self.ema.module), tuple(sigma_rels),
+                                          self.root / "models" / "phema", self.fingerprint())
 
     # --- identity ---------------------------------------------------------------------------------
     def fingerprint(self, precision: str | None = None) -> str:
@@ -395,6 +382,12 @@ class Trainer:
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.gns.load_state_dict(state["gns"])
+        # The run keeps the post-hoc EMA profiles it started with, none included (train.phema_sigma_rels is
+        # measurement-only: posthoc_ema.ProfileTracker.load_state_dict says why).
+        if not state["phema"]:
+            self.phema = None
+        elif self.phema is None and state["phema"].get("sigma_rels"):
+            self.phema = self._profiles(state["phema"]["sigma_rels"])
         if self.phema is not None:
             self.phema.load_state_dict(state["phema"])
         self.best.load_state_dict(state.get("best"))
