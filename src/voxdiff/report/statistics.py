@@ -11,7 +11,6 @@ import numpy as np
 
 from voxdiff.convergence import FALLING, PAST_BEST, PLATEAU, best_point
 from voxdiff.params import MEASUREMENT_KEYS, OPERATIONAL_KEYS
-from voxdiff.params import MEASUREMENT_KEYS, OPERATIONAL_KEYS
 from voxdiff.report.loading import RunData, as_float
 
 
