@@ -12,7 +12,7 @@ from voxdiff.convergence import (BEST_WINDOW, PLATEAU_THRESHOLD, bootstrap_criti
 from voxdiff.fsutil import atomic_path
 from voxdiff.report.loading import RunData, as_float
 from voxdiff.report.statistics import (ALPHA, GroupSummary, compare_means, confounders, holm,
-                                      most_common_int)
+                                      most_common_int, paired_ratio, welch_mde)
 from voxdiff.training.gns import balanced_accumulate_every, critical_batch_tradeoff, not_measurable_reason
 
 
@@ -276,11 +276,12 @@ def reading_section(groups: list[GroupSummary], runs: list[RunData], group_by: s
 def _verdicts(items: list[tuple[str, list[float]]], ref: str, ref_values: list[float], what: str) -> list[str]:
     tests = [compare_means(values, ref_values) for _, values in items]
     adjusted = holm([p for _, _, p in tests])
-    return ["- " + _verdict(name, ref, values, (kind, diff, p), what)
+    return ["- " + _verdict(name, ref, values, (kind, diff, p), what, ref_values)
             for (name, values), (kind, diff, _), p in zip(items, tests, adjusted)]
 
 
-def _verdict(name: str, ref: str, values: list[float], test: tuple[str, float, float | None], what: str) -> str:
+def _verdict(name: str, ref: str, values: list[float], test: tuple[str, float, float | None], what: str,
+             ref_values: list[float]) -> str:
     kind, diff, p = test
     word = "higher" if diff > 0 else "lower"
     head = f"{name}: {what} {mean_std(values, '.4g', '.2g')}"
@@ -289,7 +290,10 @@ def _verdict(name: str, ref: str, values: list[float], test: tuple[str, float, f
                 "run more seeds before reading anything into it.")
     if p < ALPHA:
         return f"{head}, clearly {word} than {ref} (difference {abs(diff):.3g}, Welch p = {p:.2g} after Holm)."
-    return f"{head}: within seed noise of {ref} (difference {abs(diff):.3g}, Welch p = {p:.2g} after Holm)."
+    mde = welch_mde(values, ref_values)
+    return (f"{head}: within seed noise of {ref} (difference {abs(diff):.3g}, Welch p = {p:.2g} after Holm; "
+            + (f"these seeds could not detect a difference below {100 * mde:.0f} % of {ref}'s mean, at 80 % power)."
+               if mde is not None else "no minimum detectable difference: one side has a single run)."))
 
 
 def mean_band(curves: list[tuple[np.ndarray, np.ndarray]]):
@@ -497,7 +501,31 @@ def best_table(groups: list[GroupSummary], group_by: str) -> list[str]:
     lines += [f"- {group_by}={g.key}: lowest val loss {mean_std(levels[g.key], '.4g', '.2g')}, but "
               f"{sum(b.at_end for b in g.best)}/{len(g.best)} of its runs were still at their lowest at the end: "
               "an upper bound on its best, not compared." for g in bounded]
-    return lines + [""]
+    return lines + paired_lines(with_best, group_by) + [""]
+
+
+def paired_lines(groups: list[GroupSummary], group_by: str) -> list[str]:
+    """Each setting against the first, paired by seed (statistics.paired_ratio): the draws depend only on the
+    seed and the global sample index, so two settings of one seed saw the same samples and the pair's ratio
+    carries no between-seed spread. Level, samples and steps at the own best; the minimum detectable
+    difference beside the level's verdict."""
+    ref = groups[0]
+    out = []
+    for g in groups[1:]:
+        level = paired_ratio(g.best_by_seed("level"), ref.best_by_seed("level"))
+        if level is None or level.n < 2:
+            continue
+        samples = paired_ratio(g.best_by_seed("samples"), ref.best_by_seed("samples"))
+        steps = paired_ratio(g.best_by_seed("steps"), ref.best_by_seed("steps"))
+        verdict = (f"clearly {'higher' if level.ratio > 1 else 'lower'} (paired t p = {level.p:.2g})"
+                   if level.p is not None and level.p < ALPHA else
+                   f"no difference detected (paired t p = {level.p:.2g}; the smallest these {level.n} pairs could "
+                   f"detect: {100 * level.mde:.1f} % at 80 % power, alpha 0.05)")
+        out.append(f"- Paired by seed, {group_by}={g.key} against {group_by}={ref.key} ({level.n} seeds ran both): "
+                   f"lowest val loss x{level.ratio:.3f} [{level.lo:.3f}, {level.hi:.3f}], {verdict}; samples to it "
+                   f"x{samples.ratio:.2f} [{samples.lo:.2f}, {samples.hi:.2f}], optimizer steps x{steps.ratio:.2f} "
+                   f"[{steps.lo:.2f}, {steps.hi:.2f}] (geometric means, 95 % t intervals).")
+    return out
 
 
 def runs_table(groups: dict[str, list[RunData]], group_by: str) -> list[str]:

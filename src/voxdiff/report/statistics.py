@@ -74,6 +74,14 @@ class GroupSummary:
     plateau: list[float] = dataclasses.field(default_factory=list)  # last-quarter relative change per run
     best: list[RunBest] = dataclasses.field(default_factory=list)   # each run at its lowest val loss
     verdicts: list[str] = dataclasses.field(default_factory=list)  # convergence.plateau_verdict per run, as plateau
+    best_seeds: list[str] = dataclasses.field(default_factory=list)  # the seed of each run in `best`
+
+    def best_by_seed(self, field: str) -> dict[str, float]:
+        """One RunBest field per seed (the first run of a seed: reruns are dropped before grouping)."""
+        out: dict[str, float] = {}
+        for seed, b in zip(self.best_seeds, self.best):
+            out.setdefault(seed, float(getattr(b, field)))
+        return out
 
     @property
     def n(self) -> int:
@@ -167,6 +175,7 @@ def summarize_group(key: str, runs: list[RunData], target: float | None) -> Grou
         flattening=[r.metrics["val_flattening"] for r in with_val if "val_flattening" in r.metrics],
         plateau=[r.plateau_change for r in with_val if r.plateau_change is not None],
         best=[b for r in with_val if (b := run_best(r)) is not None],
+        best_seeds=[r.params.get("seed", "?") for r in with_val if run_best(r) is not None],
         verdicts=[r.plateau_verdict for r in with_val if r.plateau_change is not None],
         eval={k: [r.metrics[k] for r in with_val if k in r.metrics] for k in evals},
         posthoc=posthoc_metrics(with_val),
@@ -232,7 +241,6 @@ def minimum_detectable_difference(sd: float, n: int, alpha: float = 0.05, power:
     """The smallest true mean difference (in sd's units) that a two-sided one-sample / paired t test on n values
     with this sd detects with the given power: solved exactly on the noncentral t distribution (the usual
     (t_{1-a/2} + t_{power}) sd / sqrt(n) is its approximation and is a few % low at n = 5). None below 2 values."""
-    from scipy.optimize import brentq
     from scipy.stats import nct, t
 
     if n < 2 or not sd > 0:
@@ -243,15 +251,25 @@ def minimum_detectable_difference(sd: float, n: int, alpha: float = 0.05, power:
         ncp = delta * math.sqrt(n) / sd
         return (nct.sf(crit, df, ncp) + nct.cdf(-crit, df, ncp)) - power
 
-    return float(brentq(shortfall, 1e-12 * sd, _bracket(shortfall, sd)))
+    return _solve_power(shortfall, sd / math.sqrt(n), df, alpha, power)
 
 
-def _bracket(shortfall, scale: float) -> float:
-    """An upper end where the power is reached (noncentral t turns NaN far out, so grow it from below)."""
+def _solve_power(shortfall, scale: float, df: float, alpha: float, power: float) -> float:
+    """The difference at which `shortfall` (power reached minus wanted) is 0, growing the bracket from `scale`.
+    scipy's noncentral t returns NaN far out at few degrees of freedom (df ~ 1 with two runs a side): there the
+    textbook approximation (t_{1-a/2} + t_{power}) x scale stands in."""
+    from scipy.optimize import brentq
+    from scipy.stats import t
+
     hi = scale
-    while shortfall(hi) < 0:
+    for _ in range(40):
+        value = shortfall(hi)
+        if not math.isfinite(value):
+            return float((t.ppf(1 - alpha / 2, df) + t.ppf(power, df)) * scale)
+        if value >= 0:
+            return float(brentq(shortfall, 1e-12 * scale, hi))
         hi *= 2
-    return hi
+    return math.inf
 
 
 def paired_ratio(values: dict[str, float], reference: dict[str, float]) -> PairedRatio | None:
@@ -279,7 +297,6 @@ def paired_ratio(values: dict[str, float], reference: dict[str, float]) -> Paire
 def welch_mde(a: list[float], b: list[float], alpha: float = 0.05, power: float = 0.8) -> float | None:
     """Minimum detectable difference of Welch's test between two groups of these sizes and spreads, relative to
     b's mean: what an unpaired "no difference" can rule out (Welch-Satterthwaite df, noncentral t)."""
-    from scipy.optimize import brentq
     from scipy.stats import nct, t
 
     if min(len(a), len(b)) < 2:
@@ -293,7 +310,7 @@ def welch_mde(a: list[float], b: list[float], alpha: float = 0.05, power: float 
     def shortfall(d: float) -> float:
         return nct.sf(crit, df, d / se) + nct.cdf(-crit, df, d / se) - power
 
-    delta = brentq(shortfall, 1e-12 * se, _bracket(shortfall, se))
+    delta = _solve_power(shortfall, se, df, alpha, power)
     return float(delta / abs(np.mean(b)))
 
 
