@@ -596,6 +596,79 @@ def conv_batch1(ctx) -> dict:
                       "Kernels counted on one batch-1 forward of the network."]}
 
 
+def _channels_last(trainer) -> None:
+    """The trainer's network and every input it sees in channels_last_3d (NDHWC): weights converted once, inputs
+    by a forward pre-hook, so training, validation and the probe all take the NDHWC kernels."""
+    fmt = torch.channels_last_3d
+    trainer.net.to(memory_format=fmt)
+
+    def to_ndhwc(module, args, kwargs):
+        return tuple(a.contiguous(memory_format=fmt) if torch.is_tensor(a) and a.dim() == 5 else a
+                     for a in args), kwargs
+
+    trainer.net.register_forward_pre_hook(to_ndhwc, with_kwargs=True)
+
+
+def study_step(ctx) -> dict:
+    """The study's training step (med-ddpm's regime: epsilon, L1, no clipping, micro-batch 1 x 1) eager against
+    torch.compile and channels_last_3d, interleaved in one process, in the precision this CPU resolves and in fp32;
+    and whether each path's losses match eager's over the same steps (same init, data and draws)."""
+    from voxdiff.training.distributed import Runtime, auto_precision
+
+    regime = {"diffusion.prediction": "epsilon", "diffusion.loss": "l1", "train.grad_clip": 0.0,
+              "train.gns_probe_samples": 0, "train.gns_buckets_every_samples": 0}
+    auto_dtype, why_auto = auto_precision(ctx.device)
+    runtimes = {"fp32": Runtime(ctx.device, 0, 1, None, False)}
+    if auto_dtype is not None:
+        runtimes[str(auto_dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float16", "fp16")] = \
+            Runtime(ctx.device, 0, 1, auto_dtype, auto_dtype is torch.float16)
+    saved_rt = ctx.rt
+    rows, goals, compile_s = [], [], {}
+    steps = ctx.profile["rounds"] * 2
+    for prec, rt in runtimes.items():
+        ctx.rt = rt
+        trainers = {}
+        for path in ("eager", "channels_last_3d", "torch.compile"):
+            tr = ctx.trainer(1, 1, regime)
+            if path == "channels_last_3d":
+                _channels_last(tr)
+            elif path == "torch.compile":
+                tr.model = torch.compile(tr.net)
+                t0 = time.perf_counter()
+                tr.train_step()  # the compile (and a first step): timed apart, then left out
+                compile_s[prec] = time.perf_counter() - t0
+            trainers[path] = tr
+        # Losses over the same steps: every trainer starts from the same init (seeded) and sees the same draws.
+        # The compiled one has taken one step already: bring the others level before comparing.
+        for path in ("eager", "channels_last_3d"):
+            trainers[path].train_step()
+        losses = {p: [] for p in trainers}
+        step_fns = {p: (lambda tr=tr, p=p: losses[p].append(tr.train_step()["train_loss"])) for p, tr in trainers.items()}
+        times = ctx.interleave(step_fns, rounds=steps)
+        n = min(len(v) for v in losses.values())
+        eager_s = med(times["eager"])
+        for path in trainers:
+            diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses[path][:n], losses["eager"][:n]))
+            speed = eager_s / med(times[path])
+            rows.append({"precision": prec, "path": path, "s_per_step": med(times[path]), "vs_eager": speed,
+                         "max_rel_loss_diff_vs_eager": diff, "compile_s": compile_s.get(prec) if path == "torch.compile" else None,
+                         "steps_compared": n})
+            if path != "eager":
+                goals.append(info(f"study step, {prec} {path} vs eager (micro-batch 1)", speed,
+                                  note=f"adopted only at >= 1.2x with matching losses; max relative loss difference "
+                                       f"{diff:.1e} over {n} steps" + (f"; compile {compile_s[prec]:.0f} s"
+                                                                       if path == "torch.compile" else "")))
+    ctx.rt = saved_rt
+    return {"goals": goals, "rows": rows,
+            "notes": [f"precision auto = {next(reversed(runtimes))} here ({why_auto}). Grid {list(ctx.base.preprocess.shape)}, "
+                      f"network channels {list(ctx.base.model.channels)}, med-ddpm's regime (epsilon, L1, no clipping), "
+                      "micro-batch 1 x accumulate 1, the probes off: the step the data-size arm repeats ~10^5 times.",
+                      "Steps interleaved (A B C, C B A, ...); the losses of the first steps compared with eager's "
+                      "(same init, data and draws), so a path that changed the maths would show here.",
+                      "fp32 on a CPU without native bf16 (AVX2 only) is the other machine the study runs on: rerun "
+                      "`benchmarks/run.py --only study_step` there to add its rows."]}
+
+
 # --- 10 ------------------------------------------------------------------------------------------
 def phema(ctx) -> dict:
     """Post-hoc EMA: the profile updates per step, a snapshot, the checkpoint's growth and the reconstruction at the end."""
@@ -655,7 +728,7 @@ def phema(ctx) -> dict:
 BENCHMARKS = {"memory": memory, "accumulation": accumulation, "data": data, "tracking": tracking, "gns": gns,
               "gns_probe": gns_probe,
               "sampling": sampling, "growth": growth, "medddpm": medddpm, "speed": speed,
-              "phema": phema, "conv_batch1": conv_batch1}
+              "phema": phema, "conv_batch1": conv_batch1, "study_step": study_step}
 
 from advise_bench import advise  # noqa: E402  (benchmark 11, in its own file: voxdiff advise against the grid)
 
