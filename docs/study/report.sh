@@ -46,4 +46,14 @@ for rule in sqrt linear sde; do
   voxdiff compare --runs $R --filter "params.\`train.max_samples\` = '1536' and params.\`train.lr_scaling\` = '$rule' and params.\`train.batch_size\` = '2'" \
     --out "docs/study/report_lr_$rule.md" || echo "(no lr_scaling=$rule runs archived yet)"
 done
+# Data size (docs/study/data-size-protocol.md): the LR pilot at N 160 grouped by lr, then one report per N
+# (k 1/2, and 4 at N 160), paired by seed in the own-best table.
+ids=$(python docs/study/grid.py ids ds-lr) && \
+  voxdiff compare --runs $R --group-by train.lr --filter "$ids" --out docs/study/report_ds_lr.md \
+  || echo "(no ds-lr runs archived yet)"
+for n in 160 40 10; do
+  ids=$(python docs/study/grid.py ids "data-size-$n") && \
+    voxdiff compare --runs $R --filter "$ids" --out "docs/study/report_data_size_$n.md" \
+    || echo "(no data-size-$n runs archived yet)"
+done
 python -c "import sys, torch, monai, mlflow, dvc; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, monai {monai.__version__}, mlflow {mlflow.__version__}, dvc {dvc.__version__}')" > docs/study/versions.txt
