@@ -38,6 +38,9 @@ TINY = {
     "evaluate.sampling_steps": 5,
     "evaluate.samples_per_condition": 1,
     "evaluate.subjects": 1,
+    # the Dice metrics run, wired as in the demo, at a token cost (test_segmenter.py scores them at the demo's size)
+    "evaluate.segmenter_steps": 20,
+    "evaluate.segmenter_seeds": 1,
 }
 
 

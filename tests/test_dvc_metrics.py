@@ -16,13 +16,14 @@ SUMMARY = {"final_val_loss": 0.0341, "best_val_loss": 0.0339, "plateau_reached":
            "checkpoint_sha256": "0123456789abcdef" * 4, "own_best_val_loss": 0.0335, "own_best_step": 704}
 EVAL = {"eval_ssim": 0.85, "eval_ssim_floor_noise": 0.01, "eval_ssim_floor_tissue_mean": 0.77, "eval_psnr": 20.5,
         "eval_psnr_floor_noise": 5.0, "eval_psnr_floor_tissue_mean": 18.0, "eval_msssim_samples": 0.95,
-        "eval_diversity_reference": 0.96, "eval_w1_csf": 0.1}
+        "eval_diversity_reference": 0.96, "eval_w1_csf": 0.1, "eval_dice_fidelity_mean": 0.81234}
 
 
 def test_figures_are_the_few_a_reader_compares():
     assert dvc_metrics.train_figures(SUMMARY) == {"val_loss": 0.0341, "plateau": 1, "samples": 1536, "samples/s": 3.46}
     assert dvc_metrics.eval_figures(EVAL) == {"ssim": 0.85, "ssim_floor": 0.77, "diversity": 0.95,
-                                              "diversity_ref": 0.96}
+                                              "diversity_ref": 0.96, "dice": 0.812}  # ssim, dice: 3 decimals
+    assert dvc_metrics.eval_figures({**EVAL, "eval_ssim": 0.86236})["ssim"] == 0.862
     no_reference = {k: v for k, v in EVAL.items() if k != "eval_diversity_reference"}
     assert "diversity_ref" not in dvc_metrics.eval_figures(no_reference)
     assert dvc_metrics.checkpoint_id(SUMMARY) == {"checkpoint": "0123456789"}

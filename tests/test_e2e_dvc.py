@@ -134,7 +134,7 @@ def test_pipeline_repro_experiments_and_queue(tmp_path):
     # The DVC metrics are a few figures (tracking/dvc_metrics.py); every field is in the detail files.
     assert set(json.loads((repo / "metrics/train.json").read_text())) == {"val_loss", "plateau", "samples", "samples/s"}
     assert set(json.loads((repo / "metrics/eval.json").read_text())) == {"ssim", "ssim_floor", "diversity",
-                                                                         "diversity_ref"}
+                                                                         "diversity_ref", "dice"}
     train = json.loads((repo / "metrics/train_detail.json").read_text())
     assert train["total_samples"] == 16 and train["effective_batch_size"] == 2
     client, runs = mlflow_runs(repo)

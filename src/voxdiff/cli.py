@@ -180,6 +180,8 @@ SUMMARY_ROWS = (
     ("eval.json", "eval_beats_floors", "beats both floors on SSIM, PSNR, MAE (1/0)"),
     ("eval.json", "eval_contrast_order_ok", "tissue contrast order kept (1/0)"),
     ("eval.json", "eval_contrast_order_fraction", "samples keeping the contrast order"),
+    ("eval.json", "eval_dice_fidelity_mean", "label-fidelity Dice (real-trained segmenter)"),
+    ("eval.json", "eval_dice_tstr_ratio", "Dice trained on synthetic / on real"),
     ("eval.json", "eval_seconds_per_volume", "sampling s/volume"),
 )
 
@@ -207,6 +209,10 @@ def metrics(root):
         floors = [loaded[name].get(f"{key}_floor_{f}") for f in ("noise", "tissue_mean")]
         if None not in floors:
             shown += f"   (floors: noise {floors[0]:.4g}, tissue-mean {floors[1]:.4g})"
+        if key.startswith("eval_dice_"):  # the Dice figures' own references (evaluation/segmenter.py)
+            from voxdiff.evaluation.segmenter import references
+
+            shown += references(key, loaded[name])
         click.echo(f"  {label.format(window=BEST_WINDOW):<45} {shown}")
     note = loaded["train.json"].get("gns_note")
     if note:

@@ -196,6 +196,10 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "sampling_steps": integer(1),
         "ancestral": boolean,
         "checkpoint": choice("best", "final"),
+        "segmenter_steps": integer(0),
+        "segmenter_channels": int_list(lo=1),
+        "segmenter_seeds": integer(1),
+        "tstr_samples_per_map": integer(0),
     },
     "mlflow": {
         "experiment": text(allow_empty=False),
@@ -322,6 +326,10 @@ class Evaluate:
     sampling_steps: int
     ancestral: bool
     checkpoint: str
+    segmenter_steps: int          # Segmentation Dice (evaluation/segmenter.py); 0 = off
+    segmenter_channels: tuple[int, ...]
+    segmenter_seeds: int
+    tstr_samples_per_map: int     # train on synthetic, test on real; 0 = off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,6 +444,14 @@ def _cross_checks(p: Params) -> None:
         raise ParamsError(f"params.yaml: preprocess.clip_percentiles must be increasing, got {[lo, hi]}")
     if not (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:")):
         raise _fail("train.device", "auto, cpu, cuda or cuda:N", t.device)
+    ev = p.evaluate
+    if len(ev.segmenter_channels) < 2:
+        raise _fail("evaluate.segmenter_channels", "a list of at least 2 channel counts (UNet levels)",
+                    list(ev.segmenter_channels))
+    seg_down = 2 ** (len(ev.segmenter_channels) - 1)
+    if ev.segmenter_steps and any(s % seg_down for s in p.preprocess.shape):
+        raise ParamsError(f"params.yaml: preprocess.shape {list(p.preprocess.shape)} must be divisible by {seg_down} "
+                          f"(2^(levels-1) for {len(ev.segmenter_channels)} evaluate.segmenter_channels levels)")
     if d.builtin and d.val_subjects >= d.subjects:
         raise ParamsError(f"params.yaml: data.val_subjects ({d.val_subjects}) must be smaller than "
                           f"data.subjects ({d.subjects}) so that some subjects are left to train on")

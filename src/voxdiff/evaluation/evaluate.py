@@ -515,6 +515,13 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
                         if k.startswith("eval_") and k not in ("eval_checkpoint", "eval_checkpoint_step",
                                                                "eval_checkpoint_samples_seen")})
         metrics.update(eval_final_checkpoint_step=int(state["step"]))
+    # Segmentation Dice of the evaluated weights' samples: label fidelity and train-on-synthetic (segmenter.py).
+    from voxdiff.evaluation import segmenter
+
+    autocast = sampling.checkpoint_runtime(state, device, params.train.precision, out["checkpoint"]).autocast
+    metrics.update(segmenter.dice_metrics(
+        params, root, cache, subjects, class_keys(params, list(cache.label_values))[1], device,
+        segmenter.ddim_generator(net, diff_p, cache.num_classes, ev.sampling_steps, params.seed, autocast)))
     metrics = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
 
     # 3. Outputs: each written whole, then MLflow.

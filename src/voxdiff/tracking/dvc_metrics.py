@@ -1,6 +1,6 @@
 """The DVC metrics files: the few figures `dvc exp show` puts side by side, the rest one file over.
 
-metrics/train.json and metrics/eval.json (dvc.yaml `metrics:`) hold eight figures under short names, so
+metrics/train.json and metrics/eval.json (dvc.yaml `metrics:`) hold nine figures under short names, so
 that `dvc exp show --only-changed` after a queued grid fits a 160-column terminal (tests/test_e2e_dvc.py).
 DVC's own columns take most of it: the experiment (25 characters), its date (8-12), state and executor
 (18), the changed param (`train.accumulate_every`, 22), each with 3 of padding, and every dependency that
@@ -18,6 +18,12 @@ differs between experiments as a 32-character hash. Hence evaluate depends on th
                           tissue-mean), the figure to beat
               diversity   MS-SSIM between samples of one label map (1 = identical); diversity_ref: the same
                           for two images of one built-in label map (absent for your data)
+              dice        label fidelity: Dice of a segmenter trained on real volumes on the samples against
+                          their label maps, mean over the tissues (eval_dice_fidelity_mean; absent with
+                          evaluate.segmenter_steps 0). Its references (the real volumes' Dice, noise) and
+                          train-on-synthetic are in eval_detail.json
+              ssim, ssim_floor and dice are rounded to 3 decimals (DVC prints 5 significant digits): the 2
+                          columns ssim saves make room for dice's 8 within the 160
 
 Everything else (best val loss, early stopping's point (own_best_*), optimizer steps, clip fraction, the
 plateau's change and level, post-hoc EMA, noise scale, timings, each floor, per-tissue figures, the MLflow
@@ -34,7 +40,8 @@ from pathlib import Path
 TRAIN_FIGURES = (("val_loss", "final_val_loss"), ("plateau", "plateau_reached"), ("samples", "total_samples"),
                  ("samples/s", "samples_per_s"))
 EVAL_FIGURES = (("ssim", "eval_ssim"), ("diversity", "eval_msssim_samples"),
-                ("diversity_ref", "eval_diversity_reference"))
+                ("diversity_ref", "eval_diversity_reference"), ("dice", "eval_dice_fidelity_mean"))
+ROUNDED = {"ssim": 3, "ssim_floor": 3, "dice": 3}  # decimals in eval.json (every digit stays in eval_detail.json)
 
 
 def train_figures(summary: dict) -> dict:
@@ -48,7 +55,7 @@ def eval_figures(metrics: dict) -> dict:
     floors = [metrics.get(f"eval_ssim_floor_{f}") for f in ("noise", "tissue_mean")]
     out["ssim_floor"] = max(floors) if None not in floors else None
     out.update({short: metrics[key] for short, key in EVAL_FIGURES[1:] if key in metrics})
-    return out
+    return {k: round(v, ROUNDED[k]) if k in ROUNDED and isinstance(v, float) else v for k, v in out.items()}
 
 
 def checkpoint_id(summary: dict) -> dict:
