@@ -175,6 +175,7 @@ def test_off_and_bad_input(demo_data, tmp_path):
     ("segmenter_channels", [4, 8, 16, 32, 64, 128], "divisible by 32"),
     ("segmenter_seeds", 0, "evaluate.segmenter_seeds must be an integer >= 1"),
     ("tstr_samples_per_map", True, "evaluate.tstr_samples_per_map must be an integer >= 0"),
+    ("tstr_sampling_steps", -2, "evaluate.tstr_sampling_steps must be an integer >= 0"),
 ])
 def test_settings_are_validated_by_name(key, value, message):
     from voxdiff.errors import ParamsError

@@ -200,6 +200,7 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "segmenter_channels": int_list(lo=1),
         "segmenter_seeds": integer(1),
         "tstr_samples_per_map": integer(0),
+        "tstr_sampling_steps": integer(0),
     },
     "mlflow": {
         "experiment": text(allow_empty=False),
@@ -330,6 +331,7 @@ class Evaluate:
     segmenter_channels: tuple[int, ...]
     segmenter_seeds: int
     tstr_samples_per_map: int     # train on synthetic, test on real; 0 = off
+    tstr_sampling_steps: int      # DDIM steps of its volumes; 0 = sampling_steps
 
 
 @dataclasses.dataclass(frozen=True)

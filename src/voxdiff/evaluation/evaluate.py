@@ -521,7 +521,8 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     autocast = sampling.checkpoint_runtime(state, device, params.train.precision, out["checkpoint"]).autocast
     metrics.update(segmenter.dice_metrics(
         params, root, cache, subjects, class_keys(params, list(cache.label_values))[1], device,
-        segmenter.ddim_generator(net, diff_p, cache.num_classes, ev.sampling_steps, params.seed, autocast)))
+        segmenter.ddim_generator(net, diff_p, cache.num_classes, ev.tstr_sampling_steps or ev.sampling_steps,
+                                 params.seed, autocast)))
     metrics = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
 
     # 3. Outputs: each written whole, then MLflow.

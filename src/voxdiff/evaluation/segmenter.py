@@ -12,7 +12,8 @@ loss, scored with MONAI's DiceMetric), as med-ddpm and MAISI score theirs:
                    like an MRI, which SSIM/PSNR/MAE and diversity say).
   train on synthetic, test on real (med-ddpm's protocol)
                    the same architecture with the same optimizer steps and seeds trained on synthetic volumes
-                   generated from the training label maps (evaluate.tstr_samples_per_map per map), on the real
+                   generated from the training label maps (evaluate.tstr_samples_per_map per map, DDIM with
+                   evaluate.tstr_sampling_steps: 10 steps give the demo's x0 model's 50-step volumes), on the real
                    training volumes, and on both; each tested on the real validation volumes. Dice per tissue,
                    mean and std (ddof 1) over evaluate.segmenter_seeds seeds, and the ratio synthetic / real.
 
