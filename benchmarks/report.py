@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 ORDER = ("memory", "accumulation", "data", "tracking", "gns", "gns_probe", "sampling", "growth", "medddpm", "speed", "phema",
-         "advise", "conv_batch1", "study_step")
+         "advise", "conv_batch1", "study_step", "segmenter")
 GPU_NOTE = ("`benchmarks/gpu.sh` measures voxdiff on CUDA at med-ddpm's size (params-gpu.yaml: 128^3, 64 base channels, "
             "batch 1, bf16 autocast) in one short slot: eager and `torch.compile` step time, memory, accumulation "
             "exactness, overheads, a loss curve (benchmarks/results-gpu.json). It has not been run: the machine that "

@@ -725,10 +725,70 @@ def phema(ctx) -> dict:
                       "once for all lengths."]}
 
 
+# --- 15 ------------------------------------------------------------------------------------------
+def segmenter(ctx) -> dict:
+    """Segmentation Dice (evaluation/segmenter.py): training one segmenter, its Dice on the real validation volumes,
+    and what the Dice metrics add to evaluate's time (the segmenters and the synthetic volumes they train on)."""
+    from voxdiff.evaluation import segmenter as seg
+
+    ev, cache = ctx.base.evaluate, ctx.cache
+    spec = seg.spec_of(ctx.base, cache.num_classes)
+    images, labels = cache.stack(cache.split_indices("train"))
+    val_x, val_y = cache.stack(cache.split_indices("val"))
+    rows = []
+    for s in range(ev.segmenter_seeds):
+        c0 = time.process_time()
+        net, wall = seg.train_segmenter(images[:, 0], labels, spec, s, ctx.device)
+        cpu = time.process_time() - c0
+        d = seg.scores([net], val_x[:, 0], val_y, cache.num_classes)
+        rows.append({"what": f"segmenter seed {s}: train", "s": wall, "cpu_s": cpu, "steps": spec.steps,
+                     "dice_csf": float(d[0]), "dice_gm": float(d[1]), "dice_wm": float(d[2])})
+    # The synthetic volumes train-on-synthetic samples: evaluate's DDIM on the demo network (its cost does not depend
+    # on the weights), GEN_BATCH volumes per call as segmenter.synthesize runs them.
+    steps = ev.tstr_sampling_steps or ev.sampling_steps
+    net = ctx.trainer(2, 1).ema.module.eval()
+    gen = seg.ddim_generator(net, ctx.base.diffusion, cache.num_classes, steps, ctx.base.seed)
+    batch = min(seg.GEN_BATCH, len(labels) * max(1, ev.tstr_samples_per_map))
+    maps = np.repeat(labels, max(1, ev.tstr_samples_per_map), axis=0)[:batch]
+    c0, t0 = time.process_time(), time.perf_counter()
+    gen(maps, 0)
+    gen_s, gen_cpu = (time.perf_counter() - t0) / batch, (time.process_time() - c0) / batch
+    rows.append({"what": f"synthetic volume (DDIM {steps} steps, batch {batch})", "s": gen_s, "cpu_s": gen_cpu})
+    train_s, train_cpu = med([r["s"] for r in rows[:-1]]), med([r["cpu_s"] for r in rows[:-1]])
+    n_vol = len(labels) * ev.tstr_samples_per_map
+    n_tstr = 2 * ev.segmenter_seeds if ev.tstr_samples_per_map else 0  # the synthetic and both arms
+    first = ev.segmenter_seeds * train_s + n_tstr * train_s + n_vol * gen_s
+    again = n_tstr * train_s + n_vol * gen_s
+    first_cpu = (ev.segmenter_seeds + n_tstr) * train_cpu + n_vol * gen_cpu
+    worst_gm, worst_wm = min(r["dice_gm"] for r in rows[:-1]), min(r["dice_wm"] for r in rows[:-1])
+    why = "too few optimizer steps or too small a network for this grid: raise evaluate.segmenter_steps or _channels"
+    return {"goals": [goal("real-trained segmenter, GM Dice on the real validation volumes (worst seed)", worst_gm,
+                           ">=", 0.8, unit=None, why=why),
+                      goal("real-trained segmenter, WM Dice on the real validation volumes (worst seed)", worst_wm,
+                           ">=", 0.8, unit=None, why=why),
+                      info("one segmenter's training (s)", train_s, unit="s",
+                           note=f"{spec.steps} Adam steps of batch {spec.batch}, channels {list(spec.channels)}, "
+                                + ("one CPU thread" if ctx.device.type == "cpu" else f"on {ctx.device}")),
+                      info("Dice metrics' time in evaluate, first run (s)", first, unit="s",
+                           note=f"{ev.segmenter_seeds} real-trained segmenters (then cached) + {n_tstr} trained on "
+                                f"synthetic / both + {n_vol} synthetic volumes at {gen_s:.1f} s"),
+                      info("Dice metrics' time in evaluate, real segmenters cached (s)", again, unit="s"),
+                      info("Dice metrics' CPU time in evaluate, first run (s)", first_cpu, unit="s",
+                           note="the process's CPU seconds for the same work: a segmenter trains on one thread, so on "
+                                "idle cores its wall time is its CPU time; under a load the wall time above is longer")],
+            "rows": rows,
+            "notes": [f"Grid {list(ctx.base.preprocess.shape)}, {len(labels)} training and {len(val_y)} validation "
+                      f"subjects; Dice per tissue of each seed's segmenter on the real validation volumes (MONAI "
+                      f"DiceMetric). The time estimate = the median training time x the segmenters evaluate trains "
+                      f"+ the synthetic volumes x the measured time per volume; evaluate's own sampling, floors and "
+                      f"figures come on top (eval_seconds_per_volume)."]}
+
+
 BENCHMARKS = {"memory": memory, "accumulation": accumulation, "data": data, "tracking": tracking, "gns": gns,
               "gns_probe": gns_probe,
               "sampling": sampling, "growth": growth, "medddpm": medddpm, "speed": speed,
-              "phema": phema, "conv_batch1": conv_batch1, "study_step": study_step}
+              "phema": phema, "conv_batch1": conv_batch1, "study_step": study_step,
+              "segmenter": segmenter}
 
 from advise_bench import advise  # noqa: E402  (benchmark 11, in its own file: voxdiff advise against the grid)
 
