@@ -34,42 +34,186 @@ def trainer_for(root, overrides=None, precision="fp32"):
 
 
 # --- item 1: a code fix retrains -----------------------------------------------------------------------
-def test_fingerprint_changes_with_the_training_code(tiny_root, monkeypatch):
+def clear_code_cache():
+    for name in ("training_code_hash", "training_code_hashes"):
+        getattr(getattr(codehash, name, None), "cache_clear", lambda: None)()
+
+
+@pytest.fixture
+def code_copy(tiny_root, monkeypatch):
+    """The package's source copied under tiny_root and hashed from there (codehash.SRC), so a test can edit it."""
     import shutil
+
+    src = tiny_root / "src"
+    shutil.copytree(codehash.SRC / "voxdiff", src / "voxdiff", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(codehash, "SRC", src)
+    clear_code_cache()
+    yield src / "voxdiff"
+    clear_code_cache()
+
+
+def edit(path, change):
+    path.write_text(change(path.read_text()))
+    clear_code_cache()
+
+
+def test_fingerprint_follows_the_training_codes_syntax_not_its_bytes(tiny_root, code_copy):
+    """issue 36 item 1: a comment, a docstring or a reformatting cannot change what training computes, so it
+    keeps the fingerprint (the hash is over the syntax tree, docstrings stripped); a statement changes it;
+    recording code is left out."""
+    tr = trainer_for(tiny_root)
+    before = tr.fingerprint()
+    recording = code_copy / "tracking" / "runs.py"
+    edit(recording, lambda s: s + "\nX = 1\n")
+    assert tr.fingerprint() == before  # recording code is left out
+    objective = code_copy / "diffusion" / "objective.py"
+    edit(objective, lambda s: s + "\n# x\n")
+    edit(objective, lambda s: s.replace('"""', '"""Reworded. ', 1))  # the module docstring
+    edit(objective, lambda s: s.replace("\n\n\ndef ", "\n\n\n\n# a note\ndef ", 1).replace(", ", " ,  ", 3))
+    assert tr.fingerprint() == before
+    edit(objective, lambda s: s + "\nX = 1\n")
+    assert tr.fingerprint() != before
+
+
+def test_library_patch_upgrade_is_not_a_change(tiny_root, monkeypatch):
+    """torch / MONAI enter the fingerprint as major.minor: a patch release (bug fixes, no new numerics by
+    policy) keeps a run resumable, a minor release does not."""
+    import monai
 
     tr = trainer_for(tiny_root)
     before = tr.fingerprint()
-    src = tiny_root / "src"
-    shutil.copytree(codehash.SRC / "voxdiff", src / "voxdiff")
-    monkeypatch.setattr(codehash, "SRC", src)
+    major, minor, *_ = torch.__version__.split("+")[0].split(".")
     try:
-        codehash.training_code_hash.cache_clear()
-        assert tr.fingerprint() == before  # the same code elsewhere: the same hash
-        recording = src / "voxdiff" / "tracking" / "runs.py"
-        recording.write_text(recording.read_text() + "\n# not training code\n")
-        codehash.training_code_hash.cache_clear()
-        assert tr.fingerprint() == before  # recording code is left out
-        objective = src / "voxdiff" / "diffusion" / "objective.py"
-        objective.write_text(objective.read_text() + "\n# a fix\n")
-        codehash.training_code_hash.cache_clear()
+        monkeypatch.setattr(torch, "__version__", f"{major}.{minor}.99+cpu")
+        monkeypatch.setattr(monai, "__version__", monai.__version__ + ".post1")
+        clear_code_cache()
+        assert tr.fingerprint() == before
+        monkeypatch.setattr(torch, "__version__", f"{major}.{int(minor) + 1}.0")
+        clear_code_cache()
         assert tr.fingerprint() != before
     finally:
-        codehash.training_code_hash.cache_clear()
+        monkeypatch.undo()
+        clear_code_cache()
 
 
-def test_finished_checkpoint_of_other_code_is_retrained(tiny_root, monkeypatch):
+def interrupted_at_step_2(root, cfg, monkeypatch):
+    real_step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if self.counters.step == 2 else real_step(self))
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params(cfg), root, progress=False)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert checkpoint(root)["step"] == 2
+
+
+def test_issue_reproduction_comment_resumes_code_change_is_refused_in_one_line(tiny_root, code_copy, monkeypatch,
+                                                                              capsys):
+    """The issue's reproduction: interrupt at step 2, append `# x` to diffusion/objective.py, rerun: the run
+    resumes. A change of what it computes is refused with one line naming the file and the way to restart;
+    the checkpoint is kept. It never says "starting fresh" over the unfinished run."""
+    interrupted_at_step_2(tiny_root, SHORT, monkeypatch)
+    stamp = (tiny_root / "models" / "checkpoint.pt").read_bytes()
+    objective = code_copy / "diffusion" / "objective.py"
+    edit(objective, lambda s: s + "\nX = 1\n")
+    capsys.readouterr()
+    with pytest.raises(VoxdiffError) as refused:
+        run_training(make_params(SHORT), tiny_root, progress=False)
+    line = str(refused.value)
+    assert "\n" not in line and "unfinished run" in line and "diffusion/objective.py" in line and "--restart" in line
+    assert (tiny_root / "models" / "checkpoint.pt").read_bytes() == stamp
+    edit(objective, lambda s: s.replace("\nX = 1\n", "\n# x\n"))
+    summary = run_training(make_params(SHORT), tiny_root, progress=False)
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "at step 2" in err and "starting fresh" not in err
+    assert summary["total_steps"] == 4 and checkpoint(tiny_root)["finished"]
+
+
+def test_changed_training_key_refuses_an_unfinished_run_naming_it(tiny_root, monkeypatch):
+    interrupted_at_step_2(tiny_root, SHORT, monkeypatch)
+    with pytest.raises(VoxdiffError, match=r"unfinished run \(step 2\).*train\.lr 0\.001 -> 0\.002.*--restart"):
+        run_training(make_params({**SHORT, "train.lr": 2e-3}), tiny_root, progress=False)
+    assert checkpoint(tiny_root)["step"] == 2
+    run_training(make_params({**SHORT, "train.lr": 2e-3}), tiny_root, progress=False, restart=True)  # deliberately
+    assert checkpoint(tiny_root)["finished"]
+
+
+def test_finished_checkpoint_is_retrained_only_for_what_shapes_training(tiny_root, code_copy, capsys):
     p = make_params(SHORT)
     run_training(p, tiny_root, progress=False)
     first = checkpoint(tiny_root)
-    # Same params, same code: nothing to train, the file stays byte for byte (the negative control).
+    # Same params, same code, a comment added: nothing to train, the file stays byte for byte.
     stamp = (tiny_root / "models" / "checkpoint.pt").read_bytes()
+    edit(code_copy / "diffusion" / "objective.py", lambda s: s + "\n# x\n")
     run_training(p, tiny_root, progress=False)
     assert (tiny_root / "models" / "checkpoint.pt").read_bytes() == stamp
-    # The training code changed (what DVC reruns the stage for): a new run, not the old weights.
-    monkeypatch.setattr(codehash, "training_code_hash", lambda: "edited-code")
+    # The training code changed (what DVC reruns the stage for): a new run, and the log says why.
+    edit(code_copy / "diffusion" / "objective.py", lambda s: s + "\nX = 1\n")
+    capsys.readouterr()
     run_training(p, tiny_root, progress=False)
+    err = capsys.readouterr().err
     second = checkpoint(tiny_root)
     assert second["fingerprint"] != first["fingerprint"] and second["mlflow_run_id"] != first["mlflow_run_id"]
+    assert "finished run" in err and "diffusion/objective.py" in err and "starting fresh" in err
+
+
+def test_checkpoint_without_fingerprint_parts_is_refused_in_one_line(tiny_root):
+    """A checkpoint from before the fingerprint recorded its parts still loads; it cannot say what differs,
+    so it is refused (one line naming the fingerprints), never trained over."""
+    from voxdiff.training import checkpoint as ckpt_mod
+
+    run_training(make_params(SHORT), tiny_root, progress=False)
+    path = tiny_root / "models" / "checkpoint.pt"
+    old = {k: v for k, v in ckpt_mod.load(path).items() if k not in ("fingerprint_parts", "format_version")}
+    old["fingerprint"] = "0123456789abcdef"
+    ckpt_mod.save(path, old)
+    stamp = path.read_bytes()
+    with pytest.raises(VoxdiffError) as refused:
+        run_training(make_params(SHORT), tiny_root, progress=False)
+    line = str(refused.value)
+    assert "\n" not in line and "0123456789abcdef" in line and "fingerprint" in line and "--restart" in line
+    assert path.read_bytes() == stamp
+
+
+def test_resumable_names_each_part_that_differs(tmp_path):
+    """checkpoint.resumable on real files: every part of the fingerprint is named when it differs (world
+    size, libraries, data, a params key, code files), an unfinished run is refused and a finished one
+    retrained, and a precision-only difference is refused for either."""
+    from voxdiff.training import checkpoint as ckpt_mod
+
+    parts = {"train.lr": "0.001", "data fingerprint": "abc", "world size": "2", "precision": "bf16",
+             "code voxdiff/diffusion/objective.py": "h1", "libraries": "torch 2.13, monai 1.6"}
+    path = tmp_path / "checkpoint.pt"
+
+    def saved(finished, **theirs):
+        ckpt_mod.save(path, {"fingerprint": "x", "fingerprint_parts": {**parts, **theirs}, "finished": finished,
+                             "step": 3, "samples_seen": 6})
+
+    saved(False)
+    state, why = ckpt_mod.resumable(path, parts)
+    assert state["step"] == 3 and why.startswith("resuming")
+    saved(False, **{"world size": "1", "libraries": "torch 2.12, monai 1.6", "data fingerprint": "abd"})
+    named = r"data fingerprint abd -> abc.*world size 1 -> 2.*torch 2\.12, monai 1\.6 -> torch 2\.13"
+    with pytest.raises(VoxdiffError, match=named):
+        ckpt_mod.resumable(path, parts)
+    saved(True, **{"code voxdiff/diffusion/objective.py": "h0", "train.lr": "0.002"})
+    state, why = ckpt_mod.resumable(path, parts)
+    assert state is None and "train.lr 0.002 -> 0.001" in why and "diffusion/objective.py" in why
+    for finished in (False, True):
+        saved(finished, precision="fp32")
+        with pytest.raises(VoxdiffError, match=r"trained in fp32.*resolves to bf16.*train.precision: fp32"):
+            ckpt_mod.resumable(path, parts)
+    state, why = ckpt_mod.resumable(path, parts, restart=True)
+    assert state is None and "--restart" in why
+
+
+def test_finished_run_in_another_precision_is_refused(tiny_root):
+    """A finished bf16 model brought to a machine where train.precision auto resolves to fp32 is refused, not
+    retrained over (the precision guard covered unfinished runs only)."""
+    run_training(make_params({**SHORT, "train.precision": "bf16"}), tiny_root, progress=False)
+    stamp = (tiny_root / "models" / "checkpoint.pt").read_bytes()
+    with pytest.raises(VoxdiffError, match="finished run trained in bf16.*resolves to fp32.*train.precision: bf16"):
+        run_training(make_params({**SHORT, "train.precision": "fp32"}), tiny_root, progress=False)
+    assert (tiny_root / "models" / "checkpoint.pt").read_bytes() == stamp
 
 
 def test_recording_code_is_not_in_the_training_hash():

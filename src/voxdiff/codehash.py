@@ -77,15 +77,57 @@ def training_sources() -> list[Path]:
     return sorted(module_file(m) for m in mods)
 
 
+def _canonical(node) -> str:
+    """A syntax tree as text: node types and fields only (no line numbers). Fields that are None or empty
+    are left out, as Python 3.13's ast.dump does by default and earlier versions do not, so the text (and the
+    hash) stays the same across Python versions for the same code."""
+    if isinstance(node, ast.AST):
+        fields = [f"{name}={_canonical(value)}" for name, value in ast.iter_fields(node)
+                  if value is not None and value != []]
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return f"[{', '.join(_canonical(x) for x in node)}]"
+    return repr(node)
+
+
+def source_hash(path: Path) -> str:
+    """Hash of a file's syntax tree without its docstrings: a comment, a docstring or a reformatting cannot
+    change what the code computes, so it must not make a run unresumable (the bytes' hash did)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:]
+    return hashlib.sha256(_canonical(tree).encode()).hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=1)
-def training_code_hash() -> str:
-    """sha256 of the training sources (path and bytes) and of the numerical libraries' versions."""
+def training_code_hashes() -> dict[str, str]:
+    """{path under src/: source_hash} of the training sources: per file, so that a refused resume can name
+    the files that changed."""
+    return {str(f.relative_to(SRC)): source_hash(f) for f in training_sources()}
+
+
+def library_versions() -> str:
+    """torch and MONAI as major.minor. A patch release fixes bugs without new numerics by policy, and a run
+    resumed across one is like a run resumed on another GPU of the same kind (the last bits may differ): it
+    must not make a run unresumable. A minor release may change kernels and defaults: it counts. Without the
+    local part (+cpu, +cu128): a CPU and a CUDA build of one release compute the same on the same device."""
     import monai
     import torch
 
+    def major_minor(version: str) -> str:
+        return ".".join(version.split("+")[0].split(".")[:2])
+
+    return f"torch {major_minor(torch.__version__)}, monai {major_minor(monai.__version__)}"
+
+
+def training_code_hash() -> str:
+    """One hash of the training sources and the libraries (the MLflow tag voxdiff.code_hash)."""
     h = hashlib.sha256()
-    for f in training_sources():
-        h.update(str(f.relative_to(SRC)).encode() + b"\0" + f.read_bytes() + b"\0")
-    # Without the local part: a CPU and a CUDA build of one release compute the same on the same device.
-    h.update(f"torch {torch.__version__.split('+')[0]} monai {monai.__version__}".encode())
+    for name, digest in sorted(training_code_hashes().items()):
+        h.update(f"{name}\0{digest}\0".encode())
+    h.update(library_versions().encode())
     return h.hexdigest()[:16]

@@ -36,15 +36,18 @@ def load(path: str | os.PathLike, map_location="cpu") -> dict:
     return state
 
 
-def resumable(path: str | os.PathLike, fingerprint: str, restart: bool = False,
-              precision: str = "", fingerprint_at=None) -> tuple[dict | None, str]:
-    """The checkpoint at `path` if it was made by this exact configuration, and a sentence saying why not.
+def resumable(path: str | os.PathLike, parts: dict[str, str],
+              restart: bool = False) -> tuple[dict | None, str]:
+    """The checkpoint at `path` if it was made by this configuration (`parts`: Trainer.fingerprint_parts),
+    and a sentence saying why or why not.
 
-    A checkpoint that cannot be read is refused (VoxdiffError), not silently trained over: it may hold
-    days of progress that a fixable problem (a full disk, a copy in progress) only hides. `restart`
-    trains from scratch whatever the file holds. An unfinished run that differs only in the resolved
-    precision (`fingerprint_at(precision)` matches: train.precision auto on another machine) is refused
-    too: resuming would switch bf16 <-> fp32 mid-run under tags that describe the first part.
+    Nothing that holds progress is trained over silently. A checkpoint that cannot be read is refused
+    (VoxdiffError): a fixable problem (a full disk, a copy in progress) may hide days of progress. So is an
+    unfinished run whose configuration changed: one line names what changed and how to restart deliberately
+    (`restart` trains from scratch whatever the file holds). A finished run is retrained when what shapes
+    training changed (the log names it), except for the resolved precision alone (train.precision auto on
+    another machine), which is refused for both: resuming would switch bf16 <-> fp32 mid-run under tags that
+    describe the first part, and retraining would replace a finished model only because of the machine.
     """
     path = Path(path)
     if restart:
@@ -55,15 +58,36 @@ def resumable(path: str | os.PathLike, fingerprint: str, restart: bool = False,
         state = load(path)
     except VoxdiffError as e:
         raise VoxdiffError(f"{e}; it is kept: move it away, or {RESTART_HINT}") from None
-    if state.get("fingerprint") != fingerprint:
-        theirs = state.get("precision_resolved", "")
-        if (fingerprint_at is not None and theirs and theirs != precision and not state.get("finished")
-                and state.get("fingerprint") == fingerprint_at(theirs)):
-            raise VoxdiffError(f"{path}: an unfinished run trained in {theirs}, but train.precision resolves to "
-                               f"{precision} here: set train.precision: {theirs} to resume it exactly, or "
-                               f"{RESTART_HINT}")
-        return None, (f"{path} was made by other params, data or training code (fingerprint "
-                      f"{state.get('fingerprint')} != {fingerprint}): starting fresh")
+    theirs = state.get("fingerprint_parts")
+    if not isinstance(theirs, dict):  # written before the parts were stored: what differs cannot be named
+        raise VoxdiffError(f"{path}: made by an older voxdiff whose fingerprint ({state.get('fingerprint')}) does "
+                           "not say what it covers, so it cannot be matched to this configuration; it is kept: "
+                           f"{RESTART_HINT}")
+    changed = [k for k in {**theirs, **parts} if theirs.get(k) != parts.get(k)]
+    run = f"{'a finished' if state.get('finished') else 'an unfinished'} run"
+    if changed == ["precision"]:
+        use = "to resume it exactly" if not state.get("finished") else "to use it"
+        raise VoxdiffError(f"{path}: {run} trained in {theirs['precision']}, but train.precision resolves to "
+                           f"{parts['precision']} here: set train.precision: {theirs['precision']} {use}, or "
+                           f"{RESTART_HINT}")
+    if changed and not state.get("finished"):
+        raise VoxdiffError(f"{path}: {run} (step {state['step']}) was made with other training settings: "
+                           f"{describe(changed, theirs, parts)}; set them back to resume it, or {RESTART_HINT}")
+    if changed:
+        return None, (f"{path} holds {run} of other training settings ({describe(changed, theirs, parts)}): "
+                      "starting fresh")
     if state.get("finished"):
         return state, f"{path} holds a finished run of this configuration (step {state['step']})"
     return state, f"resuming from {path} at step {state['step']} ({state['samples_seen']} samples seen)"
+
+
+def describe(changed: list[str], theirs: dict, ours: dict, most: int = 6) -> str:
+    """What differs, checkpoint's value -> this configuration's, on one line: params and the run's setting
+    first, then the training code's files (by name only: their hashes say nothing to a reader)."""
+    def value(v: str | None) -> str:
+        return "(none)" if v is None else (v if len(v) <= 40 else v[:37] + "...")
+
+    settings = [f"{k} {value(theirs.get(k))} -> {value(ours.get(k))}" for k in changed if not k.startswith("code ")]
+    files = [k[len("code "):].removeprefix("voxdiff/") for k in changed if k.startswith("code ")]
+    items = settings + ([f"training code ({', '.join(files)})"] if files else [])
+    return "; ".join(items[:most]) + (f"; and {len(items) - most} more" if len(items) > most else "")

@@ -62,8 +62,8 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
     cache = open_cache(root / "data" / "processed")
     trainer = Trainer(params, root, rt, cache)
     budget = trainer.budget
-    state, why = checkpoint.resumable(out["checkpoint"], trainer.fingerprint(), restart,
-                                      rt.precision, trainer.fingerprint)
+    # Refuses (one line naming what changed) rather than train over an unfinished run of other settings.
+    state, why = checkpoint.resumable(out["checkpoint"], trainer.fingerprint_parts(), restart)
     say(rt, why)
     changed = []
     if state is not None:

@@ -115,20 +115,33 @@ class Trainer:
                                           self.root / "models" / "phema", self.fingerprint())
 
     # --- identity ---------------------------------------------------------------------------------
-    def fingerprint(self, precision: str | None = None) -> str:
-        """What a checkpoint must match to be resumed or to stand as finished: the params that shape the
-        trajectory, the data, the world size, the resolved precision (`precision` overrides it: used to
-        tell a precision-only mismatch apart) and the training code (codehash: a code fix retrains)."""
-        from voxdiff.codehash import training_code_hash
+    def fingerprint_parts(self, precision: str | None = None) -> dict[str, str]:
+        """What a checkpoint must match to be resumed or to stand as finished, part by part (stored in the
+        checkpoint, so that a refusal names what differs): each param that shapes the trajectory (as JSON),
+        the data, the world size (it sets the effective batch), the resolved precision (`precision`
+        overrides it), each training source file's syntax-tree hash and the torch/MONAI major.minor
+        (codehash: a code fix retrains, a comment does not)."""
+        from voxdiff import codehash
 
-        raw = dict(self.p.raw)
-        raw["train"] = {k: v for k, v in raw["train"].items() if k not in MEASUREMENT_KEYS + OPERATIONAL_KEYS}
-        blob = {k: raw[k] for k in ("seed", "data", "preprocess", "model", "diffusion", "train")}
-        blob["_data"] = self.cache.fingerprint
-        blob["_world_size"] = self.rt.world_size
-        blob["_precision"] = precision or self.rt.precision
-        blob["_code"] = training_code_hash()
-        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+        parts = {}
+        for section in ("seed", "data", "preprocess", "model", "diffusion", "train"):
+            value = self.p.raw[section]
+            if not isinstance(value, dict):
+                parts[section] = json.dumps(value)
+                continue
+            for key, v in value.items():
+                if section != "train" or key not in MEASUREMENT_KEYS + OPERATIONAL_KEYS:
+                    parts[f"{section}.{key}"] = json.dumps(v, sort_keys=True)
+        parts["data fingerprint"] = self.cache.fingerprint
+        parts["world size"] = str(self.rt.world_size)
+        parts["precision"] = precision or self.rt.precision
+        parts["libraries"] = codehash.library_versions()
+        parts.update({f"code {name}": digest for name, digest in codehash.training_code_hashes().items()})
+        return parts
+
+    def fingerprint(self, precision: str | None = None) -> str:
+        """The parts in one hash: what post-hoc EMA snapshots are named after (posthoc_ema)."""
+        return hashlib.sha256(json.dumps(self.fingerprint_parts(precision), sort_keys=True).encode()).hexdigest()[:16]
 
     def measurement(self) -> dict:
         """The measurement-only settings in force (MEASUREMENT_KEYS), stored in every checkpoint."""
@@ -359,7 +372,7 @@ class Trainer:
     def state(self, finished: bool, run_id: str | None) -> dict:
         c = self.counters
         return {
-            "fingerprint": self.fingerprint(), "finished": finished,
+            "fingerprint": self.fingerprint(), "fingerprint_parts": self.fingerprint_parts(), "finished": finished,
             "precision_resolved": self.rt.precision, "measurement": self.measurement(),
             "clipped_steps": c.clipped_steps, "skipped_in_a_row": c.skipped_in_a_row,
             "measurement_changes": c.measurement_changes,
