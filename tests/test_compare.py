@@ -572,7 +572,7 @@ def test_plateau_verdict_per_run_and_per_setting(tmp_path):
             assert line.endswith(f"| {100 * c:+.1f} % | {verdict} |")
     assert "Still falling at the end of the budget" in report and "train.accumulate_every=2 (3/3 runs" in report
     assert "train.accumulate_every=1 (" not in report.split("Still falling")[1].split("\n")[0]
-    assert "Rising at the end" not in report and "rising: past its lowest" not in report  # none rose
+    assert "Past their best at the end" not in report and "no: past its best" not in report  # none rose
 
 
 def critical_runs(stretch, seeds: list[float], batches=(1, 2, 4, 8)):
@@ -854,3 +854,28 @@ def test_every_measurement_family_key_is_in_the_one_list():
     family = {k for k in SCHEMA["train"] if k.startswith(("gns_", "phema_"))}
     assert family and family <= set(MEASUREMENT_KEYS), sorted(family - set(MEASUREMENT_KEYS))
     assert NOT_TRAINING_KEYS == {f"train.{k}" for k in MEASUREMENT_KEYS + OPERATIONAL_KEYS} | {"device_resolved"}
+
+
+def test_smoothed_crossing_and_the_spread_across_methods():
+    """The causal rolling mean a run had shown by each validation, the crossing read off it, and the report's
+    second interval (B_crit over the raw validations and rolling means of 3 and 5) on a law with B_crit 3."""
+    import numpy as np
+
+    from voxdiff.report.loading import RunData
+    from voxdiff.report.rendering import critical_batch_section
+
+    r = RunData("r", {}, {}, {}, val_steps=np.array([1.0, 2.0, 3.0, 4.0]), val_loss=np.array([1.0, 0.6, 0.2, 0.4]),
+                val_samples=np.array([1.0, 2.0, 3.0, 4.0]), val_wall=np.full(4, np.nan), gns_samples=np.array([]),
+                gns=np.array([]), peak_memory_mb=0.0)
+    assert list(r.smoothed(1)) == [1.0, 0.6, 0.2, 0.4]
+    assert np.allclose(r.smoothed(3), [1.0, 0.8, 0.6, 0.4])  # the first ones over what there is: causal
+    assert r.crossing(0.7, r.val_steps, 1) == pytest.approx(1.75) and r.crossing(0.7, r.val_steps, 3) == pytest.approx(2.5)
+    assert r.crossing(0.3, r.val_steps, 3) is None  # the smoothed curve never gets there
+    lines = critical_batch_section(critical_runs(lambda b: 1 + 3.0 / b, [0.93, 1.0, 1.06]), smooth=3)
+    assert any("causal rolling mean of 3 validations" in line for line in lines)
+    rows = [line.split(" | ") for line in lines if line.startswith("| 0.")]
+    assert len(rows) == 3
+    for row in rows:
+        assert float(row[5].strip("*").split()[0]) == pytest.approx(3.0, rel=0.12)
+        lo, hi = (float(v) for v in row[7].split("–"))  # every method on a smooth law: all near 3
+        assert 2.5 < lo <= hi < 3.5

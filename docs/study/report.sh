@@ -53,7 +53,7 @@ ids=$(python docs/study/grid.py ids ds-lr) && \
   || echo "(no ds-lr runs archived yet)"
 for n in 160 40 10; do
   ids=$(python docs/study/grid.py ids "data-size-$n") && \
-    voxdiff compare --runs $R --filter "$ids" --out "docs/study/report_data_size_$n.md" \
+    voxdiff compare --runs $R --filter "$ids" --smoothing 3 --out "docs/study/report_data_size_$n.md" \
     || echo "(no data-size-$n runs archived yet)"
 done
 python -c "import sys, torch, monai, mlflow, dvc; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, monai {monai.__version__}, mlflow {mlflow.__version__}, dvc {dvc.__version__}')" > docs/study/versions.txt

@@ -82,7 +82,7 @@ def log_report(client, experiment_id: str, group_by: str, filter_string: str | N
 def compare_runs(tracking_uri: str | None, experiment: str | None, out_path: str | os.PathLike,
                  group_by: str = "train.accumulate_every", filter_string: str | None = None,
                  target_val_loss: float | None = None, log: bool = True,
-                 runs_dir: str | os.PathLike | None = None, root: Path | None = None) -> CompareResult:
+                 runs_dir: str | os.PathLike | None = None, root: Path | None = None, smooth: int = 1) -> CompareResult:
     """Write the comparison report (Markdown + PNGs next to it) from an MLflow store, or from an archive
     folder of exported runs (runs_dir: no store needed, nothing logged); log it to MLflow unless log=False."""
     out_path = Path(out_path)
@@ -109,7 +109,7 @@ def compare_runs(tracking_uri: str | None, experiment: str | None, out_path: str
                          filter_string=filter_string, groups=groups, by_key=by_key, runs=runs, target=target,
                          target_given=target_val_loss is not None, figures=figures, messages=messages,
                          noise_lines=noise_lines, reading_lines=reading_section(groups, runs, group_by, target),
-                         critical_lines=critical_batch_section(runs, b_noise))
+                         critical_lines=critical_batch_section(runs, b_noise, smooth))
     write_text(out_path, text)
     run_id = (log_report(client, exp.experiment_id, group_by, filter_string, target,
                          [r.run_id for r in runs], [out_path, *figures]) if log and client is not None else None)
@@ -182,19 +182,24 @@ def parse_param_filter(filter_string: str | None) -> dict[str, str | frozenset]:
               type=click.Path(dir_okay=False),
               help="Markdown report; figures are written next to it.")
 @click.option("--no-log", is_flag=True, help="Do not log the report to MLflow.")
+@click.option("--smoothing", type=click.IntRange(1, 25), default=1, show_default=True,
+              help="B_crit's steps-to-target read on each run's causal rolling mean of this many validations "
+                   "(1 = the validations; the data-size arm registered 3). The report also gives the range over "
+                   "1, 3 and 5.")
 @click.option("--runs", "runs_dir", default=None, type=click.Path(file_okay=False),
               help="Read the runs from an archive folder written by `voxdiff export` instead of MLflow "
                    "(no store needed; nothing is logged).")
-def compare_command(experiment, tracking_uri, group_by, filter_string, target_val_loss, out_path, no_log, runs_dir):
+def compare_command(experiment, tracking_uri, group_by, filter_string, target_val_loss, out_path, no_log, smoothing,
+                    runs_dir):
     """Compare training runs grouped by a param: convergence curves, noise scale, a reading."""
     if runs_dir is not None:
         result = compare_runs(None, None, out_path, group_by, filter_string, target_val_loss, log=False,
-                              runs_dir=runs_dir)
+                              runs_dir=runs_dir, smooth=smoothing)
         _echo_result(result)
         return
     experiment, tracking_uri = _store_defaults(experiment, tracking_uri)
     result = compare_runs(tracking_uri, experiment, out_path, group_by, filter_string, target_val_loss,
-                          log=not no_log)
+                          log=not no_log, smooth=smoothing)
     _echo_result(result)
 
 

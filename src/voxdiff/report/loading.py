@@ -81,21 +81,32 @@ class RunData:
     def final_val_loss(self) -> float:
         return self.metrics.get("final_val_loss", float(self.val_loss[-1]))
 
-    def first_reaching(self, target: float) -> int | None:
-        """Index of the first validation at or below target."""
-        hits = np.flatnonzero(self.val_loss <= target)
+    def smoothed(self, window: int = 1) -> np.ndarray:
+        """The val losses as a causal rolling mean of `window` validations (the first ones over those there
+        are): what a run had shown by each validation, less its jitter. window 1: the validations themselves."""
+        if window <= 1 or not self.has_val:
+            return self.val_loss
+        sums = np.cumsum(np.r_[0.0, self.val_loss])
+        ends = np.arange(1, len(self.val_loss) + 1)
+        starts = np.maximum(0, ends - window)
+        return (sums[ends] - sums[starts]) / (ends - starts)
+
+    def first_reaching(self, target: float, smooth: int = 1) -> int | None:
+        """Index of the first validation at or below target (of the curve smoothed over `smooth` validations)."""
+        hits = np.flatnonzero(self.smoothed(smooth) <= target)
         return int(hits[0]) if len(hits) else None
 
-    def crossing(self, target: float, x: np.ndarray) -> float | None:
-        """Where (in x: steps, samples or seconds) the val curve first reaches target, linearly
-        interpolated between the two validations around the crossing: a sparser validation cadence
-        would otherwise round the answer up to its next validation."""
-        i = self.first_reaching(target)
+    def crossing(self, target: float, x: np.ndarray, smooth: int = 1) -> float | None:
+        """Where (in x: steps, samples or seconds) the val curve (smoothed over `smooth` validations, causally)
+        first reaches target, linearly interpolated between the two validations around the crossing: a
+        sparser validation cadence would otherwise round the answer up to its next validation."""
+        curve = self.smoothed(smooth)
+        i = self.first_reaching(target, smooth)
         if i is None:
             return None
-        if i == 0 or self.val_loss[i - 1] == self.val_loss[i] or math.isnan(x[i - 1]):
+        if i == 0 or curve[i - 1] == curve[i] or math.isnan(x[i - 1]):
             return float(x[i])  # NaN when x is unknown there (e.g. no wall time logged)
-        frac = (self.val_loss[i - 1] - target) / (self.val_loss[i - 1] - self.val_loss[i])
+        frac = (curve[i - 1] - target) / (curve[i - 1] - curve[i])
         return float(x[i - 1] + frac * (x[i] - x[i - 1]))
 
 
