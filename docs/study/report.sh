@@ -56,4 +56,6 @@ for n in 160 40 10; do
     voxdiff compare --runs $R --filter "$ids" --smoothing 3 --out "docs/study/report_data_size_$n.md" \
     || echo "(no data-size-$n runs archived yet)"
 done
+# The data-size answer: k against 1 paired by seed per N, and B_crit against N (registered method).
+python -m voxdiff.report.data_size $R docs/study/report_data_size.md
 python -c "import sys, torch, monai, mlflow, dvc; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, monai {monai.__version__}, mlflow {mlflow.__version__}, dvc {dvc.__version__}')" > docs/study/versions.txt

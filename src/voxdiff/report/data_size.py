@@ -1,0 +1,185 @@
+"""The data-size arm's answer (docs/study/data-size-protocol.md): per training-set size N, accumulate_every k against
+1 paired by seed at each run's own best, and the critical batch against N, read by the registered method.
+
+    python -m voxdiff.report.data_size docs/study/runs docs/study/report_data_size.md
+
+Everything here was fixed before the runs: the targets (1.20x, 1.10x and 1.05x the mean own-best level of k 1 at
+that N), steps-to-target on the causal rolling mean of 3 validations (every run validates on one grid in samples),
+a bootstrap over seeds resampled as pairs (a seed's k runs share their draws), and the method range as a second
+interval.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from voxdiff.convergence import fit_critical_batch
+from voxdiff.report.loading import RunData, as_float, read_archive
+from voxdiff.report.rendering import CROSSING_METHODS, mean_std
+from voxdiff.report.statistics import paired_ratio, run_best
+
+TARGET_FACTORS = (1.20, 1.10, 1.05)
+SMOOTH = 3
+BOOTSTRAP = 2000
+
+
+def is_data_size_run(r: RunData) -> bool:
+    """A run of the data-size arm: a training subset of the 336-subject set, epsilon-prediction."""
+    return (r.params.get("data.train_subjects", "0") not in ("0", "?") and r.params.get("data.subjects") == "336"
+            and r.params.get("diffusion.prediction") == "epsilon")
+
+
+def by_size(runs: list[RunData]) -> dict[int, dict[int, dict[str, RunData]]]:
+    """N -> k -> seed -> run."""
+    out: dict[int, dict[int, dict[str, RunData]]] = {}
+    for r in runs:
+        n, k = int(as_float(r.params["data.train_subjects"])), int(as_float(r.params.get("train.accumulate_every", "1")))
+        out.setdefault(n, {}).setdefault(k, {}).setdefault(r.params.get("seed", "?"), r)
+    return {n: dict(sorted(ks.items())) for n, ks in sorted(out.items())}
+
+
+def paired_bcrit(by_k: dict[int, dict[str, RunData]], target: float, smooth: int = SMOOTH,
+                 n_boot: int = BOOTSTRAP, seed: int = 0) -> tuple[float, float, float] | None:
+    """B_crit at `target` from steps-to-target on the runs' smoothed curves, and a bootstrap interval over seeds
+    resampled as pairs (the seeds every k ran). None when a run never reaches the target (censored)."""
+    seeds = sorted(set.intersection(*(set(v) for v in by_k.values())))
+    if len(by_k) < 2 or not seeds:
+        return None
+    steps = {k: [by_k[k][s].crossing(target, by_k[k][s].val_steps, smooth) for s in seeds] for k in by_k}
+    if any(v is None for vs in steps.values() for v in vs):
+        return None
+    b = np.array([k for k in by_k for _ in seeds], float)
+    point = fit_critical_batch(b, [v for k in by_k for v in steps[k]]).b_crit
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot if len(seeds) > 1 else 0):
+        pick = rng.integers(0, len(seeds), len(seeds))
+        boots.append(fit_critical_batch(b, [steps[k][i] for k in by_k for i in pick]).b_crit)
+    if not boots:
+        return point, math.nan, math.nan
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+def method_spread(by_k: dict[int, dict[str, RunData]], target: float) -> tuple[float, float] | None:
+    found = [r[0] for w in CROSSING_METHODS if (r := paired_bcrit(by_k, target, w, n_boot=0)) is not None]
+    return (min(found), max(found)) if found else None
+
+
+def _fmt(v: float) -> str:
+    return "∞" if v == math.inf else ("—" if v != v else f"{v:.3g}")
+
+
+def report(runs: list[RunData]) -> tuple[list[str], dict[int, list[tuple[float, float, float, float]]]]:
+    """The report's lines, and N -> [(target, B_crit, lo, hi)] for the figure."""
+    sizes = by_size([r for r in runs if is_data_size_run(r)])
+    lines = ["# Data size: accumulate_every against training-set size (med-ddpm's regime)", "",
+             "Protocol, registered before the runs: [data-size-protocol.md](data-size-protocol.md). Own best = the "
+             "lowest centred mean of 5 validations; a run still at its lowest at its end (at cap) gives a bound.", ""]
+    if not sizes:
+        return lines + ["No data-size runs archived yet."], {}
+    lines += ["## Each setting at its own best", "",
+              "| N | k | runs | lowest val loss | samples at it | steps at it | lowest before the end | SSIM (best) "
+              "| label-map Dice GM / WM (between training subjects) |", "|---|---|---|---|---|---|---|---|---|"]
+    for n, ks in sizes.items():
+        for k, seeds in ks.items():
+            best = [b for r in seeds.values() if (b := run_best(r)) is not None]
+            ssim = [r.metrics["eval_ssim"] for r in seeds.values() if "eval_ssim" in r.metrics]
+            dice = [(r.metrics.get("data_pairwise_dice_label2"), r.metrics.get("data_pairwise_dice_label3"))
+                    for r in seeds.values()]
+            gm, wm = ([d[i] for d in dice if d[i] is not None] for i in (0, 1))
+            lines.append(f"| {n} | {k} | {len(seeds)} | {mean_std([b.level for b in best], '.4g', '.2g')} | "
+                         f"{mean_std([b.samples for b in best], '.0f')} | {mean_std([b.steps for b in best], '.0f')} | "
+                         f"{sum(not b.at_end for b in best)}/{len(best)} | {mean_std(ssim, '.3f')} | "
+                         f"{mean_std(gm, '.2f')} / {mean_std(wm, '.2f')} |")
+    lines += ["", "## k against 1, paired by seed", ""]
+    for n, ks in sizes.items():
+        ref = ks.get(1)
+        for k, seeds in ks.items():
+            if ref is None or k == 1:
+                continue
+            best = {s: run_best(r) for s, r in seeds.items()}
+            base = {s: run_best(r) for s, r in ref.items()}
+            field = lambda d, f: {s: getattr(b, f) for s, b in d.items() if b is not None}  # noqa: E731
+            level = paired_ratio(field(best, "level"), field(base, "level"))
+            if level is None:
+                continue
+            samples = paired_ratio(field(best, "samples"), field(base, "samples"))
+            steps = paired_ratio(field(best, "steps"), field(base, "steps"))
+            if level.n < 2:
+                lines.append(f"- N {n}, k {k}: one pair so far (level x{level.ratio:.3f}); no test yet.")
+                continue
+            verdict = (f"p = {level.p:.2g}" + (f"; no difference detected, the smallest these {level.n} pairs could "
+                                               f"detect is {100 * level.mde:.1f} %" if level.p >= 0.05 else ""))
+            lines.append(f"- N {n}, k {k} against k 1 ({level.n} pairs): lowest val loss x{level.ratio:.3f} "
+                         f"[{level.lo:.3f}, {level.hi:.3f}] ({verdict}); samples to it x{samples.ratio:.2f} "
+                         f"[{samples.lo:.2f}, {samples.hi:.2f}], optimizer steps x{steps.ratio:.2f} "
+                         f"[{steps.lo:.2f}, {steps.hi:.2f}].")
+    lines += ["", "## Critical batch against N", "",
+              f"Steps to each target on the causal rolling mean of {SMOOTH} validations; 95 % bootstrap over seeds "
+              "resampled as pairs; the range over reading the validations raw and with rolling means of 3 and 5. "
+              "A target some run never reached is censored (—).", "",
+              "| N | target (x k 1's best) | val loss | B_crit | 95 % interval | across methods |", "|---|---|---|---|---|---|"]
+    curve: dict[int, list[tuple[float, float, float, float]]] = {}
+    for n, ks in sizes.items():
+        if len(ks) < 2 or 1 not in ks:
+            continue
+        base = [b.level for r in ks[1].values() if (b := run_best(r)) is not None]
+        for factor in TARGET_FACTORS:
+            target = factor * float(np.mean(base))
+            fit = paired_bcrit(ks, target)
+            spread = method_spread(ks, target)
+            if fit is not None:
+                curve.setdefault(n, []).append((factor, *fit))
+            lines.append(f"| {n} | {factor:.2f} | {target:.4g} | {_fmt(fit[0]) if fit else '—'} | "
+                         f"{_fmt(fit[1]) + '–' + _fmt(fit[2]) if fit else '—'} | "
+                         f"{_fmt(spread[0]) + '–' + _fmt(spread[1]) if spread else '—'} |")
+    return lines + [""], curve
+
+
+def figure(curve: dict[int, list[tuple[float, float, float, float]]], path: Path) -> Path | None:
+    """B_crit against N, one line per target, with the bootstrap intervals."""
+    if not curve:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for factor in TARGET_FACTORS:
+        pts = [(n, b, lo, hi) for n, rows in curve.items() for f, b, lo, hi in rows
+               if f == factor and math.isfinite(b) and b > 0]
+        if not pts:
+            continue
+        n, b, lo, hi = (np.array(v, float) for v in zip(*pts))
+        err = np.vstack([b - np.where(np.isfinite(lo), lo, b), np.where(np.isfinite(hi), hi, b) - b])
+        ax.errorbar(n, b, yerr=np.clip(err, 0, None), marker="o", capsize=3, label=f"target {factor:.2f}x k 1's best")
+    ax.set(xscale="log", yscale="log", xlabel="training subjects N", ylabel="B_crit (samples per step)",
+           title="Critical batch against training-set size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str]) -> int:
+    runs_dir, out = Path(argv[1]), Path(argv[2])
+    runs, _ = read_archive(runs_dir)
+    lines, curve = report(runs)
+    png = figure(curve, out.with_name(out.stem + "_bcrit.png"))
+    if png is not None:
+        lines += [f"![B_crit against N]({png.name})", ""]
+    out.write_text("\n".join(lines))
+    print(f"report: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

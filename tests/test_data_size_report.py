@@ -1,0 +1,65 @@
+"""The data-size report (docs/study/data-size-protocol.md's analysis) against runs whose answer is known: curves that
+follow S = S_min(L) (1 + B_crit / k) with B_crit 2 at N 10 and 6 at N 160, validated on one grid in samples."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+
+def _runs(n: int, b_crit: float, seeds=(0.95, 1.0, 1.05), ks=(1, 2, 4), level_factor: dict | None = None):
+    from voxdiff.report.loading import RunData
+
+    tau = 3000.0  # steps at k = 1 for the loss to fall by e, on the fastest (infinite-batch) schedule
+    out = []
+    for k in ks:
+        stretch = 1 + b_crit / k
+        for i, factor in enumerate(seeds):
+            samples = np.arange(256, 6 * tau * stretch * k, 256.0)  # one grid in samples for every k
+            steps = samples / k
+            floor = 0.05 * (level_factor or {}).get(k, 1.0)
+            losses = floor + 0.5 * np.exp(-steps / (tau * stretch * factor))
+            params = {"data.train_subjects": str(n), "data.subjects": "336", "diffusion.prediction": "epsilon",
+                      "train.accumulate_every": str(k), "seed": str(i)}
+            out.append(RunData(f"n{n}-k{k}-s{i}", params, {}, {"data_pairwise_dice_label2": 0.6}, steps, losses,
+                               samples, np.full(len(steps), np.nan), np.array([]), np.array([]), 0.0))
+    return out
+
+
+def test_bcrit_against_n_is_recovered_with_intervals_that_hold_it(tmp_path):
+    from voxdiff.report.data_size import figure, report
+
+    lines, curve = report(_runs(10, 2.0) + _runs(160, 6.0) + _runs(40, 3.0, ks=(1,)))  # N 40: k 1 only, no fit
+    assert set(curve) == {10, 160}
+    for n, truth in ((10, 2.0), (160, 6.0)):
+        assert len(curve[n]) == 3
+        for _, b, lo, hi in curve[n]:
+            assert b == pytest.approx(truth, rel=0.15) and lo <= b <= hi
+    assert figure(curve, tmp_path / "bcrit.png").stat().st_size > 10_000
+    text = "\n".join(lines)
+    assert "| 40 | 1 | 3 |" in text and "| 160 | 4 | 3 |" in text
+
+
+def test_paired_k_against_1_finds_a_known_level_difference_and_reports_the_mde():
+    from voxdiff.report.data_size import report
+
+    lines, _ = report(_runs(160, 6.0, seeds=(0.9, 0.95, 1.0, 1.05, 1.1), ks=(1, 2), level_factor={2: 1.06}))
+    (k2,) = [line for line in lines if line.startswith("- N 160, k 2")]
+    ratio = float(k2.split("lowest val loss x")[1].split()[0])
+    assert 1.02 < ratio < 1.06 and "(5 pairs)" in k2  # the floor is 6 % higher: the own-best level rises
+    # equal floors: the same level; both runs end at their lowest, k 2's run being (1 + 6/2) / (1 + 6) of k 1's
+    # in steps and twice that in samples (the curves' own law), which the paired ratios must show
+    equal = report(_runs(160, 6.0, seeds=(0.9, 0.95, 1.0, 1.05, 1.1), ks=(1, 2)))[0]
+    (k2,) = [line for line in equal if line.startswith("- N 160, k 2")]
+    assert float(k2.split("lowest val loss x")[1].split()[0]) == pytest.approx(1.0, abs=0.01)
+    assert float(k2.split("samples to it x")[1].split()[0]) == pytest.approx(8 / 7, rel=0.05)
+    assert float(k2.split("optimizer steps x")[1].split()[0]) == pytest.approx(4 / 7, rel=0.05)
+
+
+def test_no_data_size_runs_says_so():
+    from voxdiff.report.data_size import report
+
+    lines, curve = report([])
+    assert curve == {} and lines[-1] == "No data-size runs archived yet."
