@@ -3,7 +3,6 @@ follow S = S_min(L) (1 + B_crit / k) with B_crit 2 at N 10 and 6 at N 160, valid
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
