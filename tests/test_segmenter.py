@@ -33,14 +33,14 @@ def demo_data(tmp_path_factory):
 
 
 def tissue_mean_generator(cache):
-    from voxdiff.evaluation.evaluate import tissue_mean_image, tissue_means
+    from voxdiff.evaluation.references import tissue_mean_image, tissue_means
 
     table = tissue_means(cache)
     return lambda labels, first: tissue_mean_image(table, np.asarray(labels))
 
 
 def noise_generator(labels, first):
-    from voxdiff.evaluation.evaluate import noise_image
+    from voxdiff.evaluation.references import noise_image
 
     return np.stack([noise_image(labels.shape[1:], 7000 + first + b) for b in range(len(labels))])
 

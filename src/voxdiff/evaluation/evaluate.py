@@ -58,6 +58,7 @@ from voxdiff.diffusion import objective
 
 from voxdiff.diffusion import sampling
 from voxdiff.data.cache import ProcessedCache, open_cache
+from voxdiff.evaluation.references import noise_image, tissue_mean_image, tissue_means  # the floors' predictors
 from voxdiff.errors import VoxdiffError
 from voxdiff.fsutil import atomic_path, check_writable, sha256_file, write_json
 from voxdiff.params import Params
@@ -237,32 +238,6 @@ def fidelity(sample: np.ndarray, real: np.ndarray, brain: np.ndarray, ssim: Brai
         "psnr": 10 * math.log10(DATA_RANGE ** 2 / mse) if mse > 0 else float("inf"),
         "mae": float(np.mean(np.abs(diff))) if diff.size else float("nan"),
     }
-
-
-def tissue_means(cache: ProcessedCache) -> np.ndarray:
-    """The lookup table of the tissue-mean predictor: each class's mean intensity over the training
-    subjects (-1, the background value, for a class they never show)."""
-    rows = cache.split_indices("train")
-    table = np.zeros(cache.num_classes, np.float32)
-    for c in range(cache.num_classes):
-        total, count = 0.0, 0
-        for r in rows:
-            sel = np.asarray(cache.labels[r]) == c
-            total += float(np.asarray(cache.images[r], np.float64)[sel].sum())
-            count += int(sel.sum())
-        table[c] = total / count if count else -1.0
-    return table
-
-
-def tissue_mean_image(table: np.ndarray, label: np.ndarray) -> np.ndarray:
-    """The lookup-table predictor: each voxel = its class's entry of `tissue_means`."""
-    return table[label.astype(np.int64)]
-
-
-def noise_image(shape, seed: int) -> np.ndarray:
-    """The no-model predictor: standard Gaussian noise clamped to [-1, 1], as a sampler's output is."""
-    g = torch.Generator().manual_seed(objective.stream_seed(seed, 0xF100))
-    return torch.randn(tuple(shape), generator=g).clamp(-1, 1).numpy()
 
 
 def fidelity_floors(subjects: list[dict], cache: ProcessedCache, ssim: BrainSSIM, seed: int) -> dict:

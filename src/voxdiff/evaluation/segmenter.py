@@ -261,7 +261,7 @@ def _named(prefix: str, values: np.ndarray, keys: list[str], suffix: str = "") -
 def fidelity_metrics(nets: list, subjects: list[dict], table: np.ndarray, keys: list[str], seed: int,
                      num_classes: int) -> dict:
     """Label fidelity of the generated volumes (subjects' "samples") and its three references."""
-    from voxdiff.evaluation.evaluate import noise_image, tissue_mean_image
+    from voxdiff.evaluation.references import noise_image, tissue_mean_image
 
     gen = np.stack([x for e in subjects for x in e["samples"]])
     gen_labels = np.stack([e["label"] for e in subjects for _ in e["samples"]])
@@ -322,7 +322,7 @@ def dice_metrics(params, root, cache, subjects: list[dict], keys: list[str], dev
     """The module docstring's metrics for the generated volumes of `subjects` (evaluate's entries: "label",
     "real", "samples") and, with evaluate.tstr_samples_per_map, for volumes `generate` makes from the training
     label maps. {} when evaluate.segmenter_steps is 0."""
-    from voxdiff.evaluation.evaluate import tissue_means
+    from voxdiff.evaluation.references import tissue_means
 
     ev = params.evaluate
     if ev.segmenter_steps == 0:
