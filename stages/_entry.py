@@ -38,6 +38,10 @@ def _ensure_dependencies() -> None:
 
 
 def run(stage: str) -> None:
+    if stage == "train":  # first: a SIGTERM while torch and MONAI load is noted, not fatal (voxdiff.stopping)
+        from voxdiff import stopping
+
+        stopping.defer()
     _ensure_dependencies()
     from voxdiff.entry import run_stage
 

@@ -117,6 +117,10 @@ def train(root, params_path, progress, restart, plan, plan_steps):
     stops at the end of the optimizer step with a checkpoint. Multi-GPU/CPU:
     `.venv/bin/torchrun --nproc_per_node N stages/train.py` from the project root. Before training it checks
     that the disk can hold the run (refused in one line otherwise); `--plan` shows the whole plan."""
+    if not plan:  # first: a SIGTERM while torch and MONAI load is noted, not fatal (voxdiff.stopping)
+        from voxdiff import stopping
+
+        stopping.defer()
     root, params = _resolve(root, params_path)
     if plan:
         from voxdiff.training.plan import run_plan

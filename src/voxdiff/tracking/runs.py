@@ -14,14 +14,13 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Callable
 
 from voxdiff import __version__
-from voxdiff.errors import VoxdiffError
+from voxdiff.errors import VoxdiffError, echo
 from voxdiff.params import Params
 from voxdiff.tracking.uri import local_artifacts_dir, resolve_tracking_uri, sqlite_path
 from voxdiff.tracking.views import val_axis_metrics
@@ -273,8 +272,7 @@ class RunTracker:
             self._pending.pop(name, None)
         if self._failing_since is not None:
             away = time.monotonic() - self._failing_since
-            print(f"[voxdiff] MLflow at {self.uri} reachable again after {away:.0f} s: what it missed is logged now",
-                  file=sys.stderr, flush=True)
+            echo(f"[voxdiff] MLflow at {self.uri} reachable again after {away:.0f} s: what it missed is logged now")
         self._failing_since, self._delay, self._next_try = None, 0.0, 0.0
         return True
 
@@ -478,8 +476,8 @@ class RunTracker:
     def _wait(self, wait_s: float) -> bool:
         if self._no_wait or wait_s <= 0 or not self.retrying:
             return False
-        print(f"[voxdiff] waiting up to {wait_s:.0f} s for MLflow at {self.uri} to log {self._describe()} "
-              "(Ctrl-C stops waiting)", file=sys.stderr, flush=True)
+        echo(f"[voxdiff] waiting up to {wait_s:.0f} s for MLflow at {self.uri} to log {self._describe()} "
+             "(Ctrl-C stops waiting)")
         deadline, delay = time.monotonic() + wait_s, 1.0
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(delay, left))

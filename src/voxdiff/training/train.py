@@ -9,13 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+from voxdiff import stopping
 from voxdiff.training import checkpoint, plan, posthoc_ema
 
 from voxdiff.codehash import training_code_hash
 from voxdiff.report import plots
 from voxdiff.data.cache import open_cache
 from voxdiff.training.distributed import Runtime, configure_backends, init_runtime, shutdown
-from voxdiff.errors import TrainingDiverged
+from voxdiff.errors import echo
 from voxdiff.fsutil import write_json, write_text
 from voxdiff.params import Params
 from voxdiff.training.schedule import due_in_samples, ema_rampup_end
@@ -43,18 +44,27 @@ def paths(root: Path) -> dict[str, Path]:
 
 def say(rt: Runtime, msg: str) -> None:
     if rt.is_main:
-        print(f"[voxdiff train] {msg}", file=sys.stderr, flush=True)
+        echo(f"[voxdiff train] {msg}")  # a gone stderr must not end the run before its save
 
 
 def run_training(params: Params, root: Path, progress: bool | None = None, restart: bool = False) -> dict:
     """Train to the budget in params.yaml, resuming an unfinished run of the same configuration.
-    restart (or VOXDIFF_RESTART=1): train from scratch whatever models/checkpoint.pt holds."""
-    rt = init_runtime(params.train.device, params.train.precision)
+    restart (or VOXDIFF_RESTART=1): train from scratch whatever models/checkpoint.pt holds.
+    SIGTERM and Ctrl-C are deferred from the start (voxdiff.stopping; the stage entry and the CLI defer them
+    earlier still, before the heavy imports) and honoured at a window boundary."""
+    stopping.defer()
     try:
-        configure_backends(rt.device, params.train.tf32, params.train.deterministic)  # before any CUDA matmul
-        return _run(params, Path(root), rt, progress, restart or os.environ.get("VOXDIFF_RESTART") == "1")
+        if stopping.requested() is not None:  # before anything started: nothing to save, no MLflow run
+            echo("[voxdiff train] stopped before training started: nothing to save")
+            raise KeyboardInterrupt
+        rt = init_runtime(params.train.device, params.train.precision)
+        try:
+            configure_backends(rt.device, params.train.tf32, params.train.deterministic)  # before any CUDA matmul
+            return _run(params, Path(root), rt, progress, restart or os.environ.get("VOXDIFF_RESTART") == "1")
+        finally:
+            shutdown()
     finally:
-        shutdown()
+        stopping.restore()
 
 
 def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart: bool = False) -> dict:
@@ -137,6 +147,7 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
                 tracker.log_history(trainer.counters.history)
 
     c = trainer.counters
+    first_step = c.step  # a stop before this process's first step has nothing new to save
     monitor = bar = None
     interrupt = GracefulInterrupt()  # bound before the try: its except reads interrupt.at_boundary
     try:  # from here on every way out ends the MLflow run (FINISHED, KILLED or FAILED)
@@ -151,6 +162,8 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
                 monitor = tracker.start_system_metrics(params.mlflow.system_metrics_interval_s)
         bar = make_bar(rt, budget.total_steps, c.step, progress)
         with interrupt:
+            if interrupt.requested(rt):  # noted while the process started up: stop before the first step
+                raise KeyboardInterrupt
             while c.step < budget.total_steps:
                 interrupt.at_boundary = False
                 before = c.samples_seen
@@ -178,7 +191,10 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
         # and the counters': saving then would write new weights under old counters over the last good
         # checkpoint, so that one is kept.
         try:
-            if interrupt.at_boundary:
+            if interrupt.at_boundary and c.step == first_step:
+                say(rt, "stopped before this process's first step: nothing new to save" + (
+                    f" (the checkpoint at step {c.step} stands)" if state is not None else " (nothing trained yet)"))
+            elif interrupt.at_boundary:
                 save(finished=False)
                 say(rt, f"interrupted: checkpoint saved at step {c.step}; rerun the stage to resume")
             else:
@@ -404,8 +420,12 @@ class GracefulInterrupt:
 
     The handler only sets a flag; the loop checks it after the step's record and checkpoint are done
     and then raises KeyboardInterrupt, so the saved state is a clean window boundary (`at_boundary`).
-    A second signal of the same kind acts at once (the previous handler is back), wherever the step is,
-    so nothing is saved then. Under DDP the flag is summed over ranks, so all ranks stop at the same step.
+    A second Ctrl-C acts at once (the previous handler is back), wherever the step is, so nothing is saved
+    then. A repeated SIGTERM only repeats the request: launchers send it more than once (a process-group
+    SIGTERM reaches a torchrun worker directly and again as torchrun forwards it; SLURM signals every
+    process of the step), and acting on the second one killed the process before its save; the grace ends
+    with the launcher's SIGKILL. A stop noted while the process started up (voxdiff.stopping) counts as
+    requested. Under DDP the flag is summed over ranks, so all ranks stop at the same step.
     """
 
     SIGNALS = ("SIGINT", "SIGTERM")
@@ -422,15 +442,18 @@ class GracefulInterrupt:
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
                 sig = getattr(signal, name)
-                self.previous[sig] = signal.signal(sig, self._handler)
+                previous = signal.signal(sig, self._handler)
+                # start-up's noting handler stands in for the one before it: restore that one
+                self.previous[sig] = stopping.original(sig) if previous is stopping._note else previous
+        self.flag = self.flag or stopping.requested() is not None  # a stop asked for during start-up
         return self
 
     def _handler(self, signum, frame):
         import signal
 
         self.flag = True
-        fallback = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
-        signal.signal(signum, self.previous.get(signum) or fallback)
+        if signum == signal.SIGINT:  # a second Ctrl-C acts at once; a repeated SIGTERM is the same request
+            signal.signal(signum, self.previous.get(signum) or signal.default_int_handler)
 
     def requested(self, rt: Runtime) -> bool:
         if rt.world_size == 1:
