@@ -744,14 +744,15 @@ def segmenter(ctx) -> dict:
         rows.append({"what": f"segmenter seed {s}: train", "s": wall, "cpu_s": cpu, "steps": spec.steps,
                      "dice_csf": float(d[0]), "dice_gm": float(d[1]), "dice_wm": float(d[2])})
     # The synthetic volumes train-on-synthetic samples: evaluate's DDIM on the demo network (its cost does not depend
-    # on the weights), GEN_BATCH volumes per call as segmenter.synthesize runs them.
+    # on the weights), GEN_BATCH volumes per call on one CPU thread, as segmenter.synthesize runs them.
     steps = ev.tstr_sampling_steps or ev.sampling_steps
     net = ctx.trainer(2, 1).ema.module.eval()
     gen = seg.ddim_generator(net, ctx.base.diffusion, cache.num_classes, steps, ctx.base.seed)
     batch = min(seg.GEN_BATCH, len(labels) * max(1, ev.tstr_samples_per_map))
     maps = np.repeat(labels, max(1, ev.tstr_samples_per_map), axis=0)[:batch]
     c0, t0 = time.process_time(), time.perf_counter()
-    gen(maps, 0)
+    with seg._one_thread(ctx.device):
+        gen(maps, 0)
     gen_s, gen_cpu = (time.perf_counter() - t0) / batch, (time.process_time() - c0) / batch
     rows.append({"what": f"synthetic volume (DDIM {steps} steps, batch {batch})", "s": gen_s, "cpu_s": gen_cpu})
     train_s, train_cpu = med([r["s"] for r in rows[:-1]]), med([r["cpu_s"] for r in rows[:-1]])
