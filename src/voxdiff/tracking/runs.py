@@ -307,6 +307,12 @@ class RunTracker:
         self._history = history
         self._flush()
 
+    def resend_from(self, step: int) -> None:
+        """Send the records of `step` on again at the next logging call: a record completed after it was
+        logged (the validation and probe a stop left to the resumed run). MLflow's store keeps one copy of
+        a metric point sent twice with the same value, step and time."""
+        self.logged_through = min(self.logged_through, step - 1)
+
     def _send_metrics(self) -> None:
         from mlflow.entities import Metric
 

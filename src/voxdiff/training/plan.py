@@ -49,6 +49,9 @@ PROBE_BYTES_PER_GROUP = 200
 # `voxdiff train --plan` warns when one step's rank-0 work (validation, probe, snapshot, checkpoint, while
 # the other ranks wait in the next all-reduce) would take more than this share of the process-group timeout.
 RANK0_TIMEOUT_SHARE = 0.25
+# What torchrun (its agent's shutdown timeout), SLURM (KillWait) and Kubernetes (terminationGracePeriodSeconds)
+# allow by default between SIGTERM and SIGKILL: a stopped training must have saved by then.
+SIGTERM_GRACE_S = 30.0
 
 
 # --- the budget's events ---------------------------------------------------------------------------
@@ -310,6 +313,21 @@ def measure(trainer, steps: int, scratch_parent: Path) -> dict:
 
 
 # --- the plan --------------------------------------------------------------------------------------
+def stop_to_saved(m: dict, checkpoint_end_bytes: int, train: Train) -> dict:
+    """Seconds from a SIGTERM (or Ctrl-C) to the saved checkpoint, in the worst case: the signal lands as a
+    step starts, so the whole step runs first; the validation and the probe due there wait for the resumed
+    run (train.run_sample_counted_events), a post-hoc EMA snapshot due there is taken; then the checkpoint,
+    at the size it reaches at the end of the run, is written at the speed measured by writing one (its
+    bytes over its seconds). None without a measured write (ranks other than 0)."""
+    if not m.get("checkpoint_write_s") or not m.get("checkpoint_measured_bytes"):
+        return {}
+    speed = m["checkpoint_measured_bytes"] / m["checkpoint_write_s"]
+    parts = {"step": m["step_s"], "snapshot": m.get("snapshot_write_s", 0.0) if train.phema_sigma_rels else 0.0,
+             "checkpoint": checkpoint_end_bytes / speed}
+    return {"parts": parts, "total_s": sum(parts.values()), "write_bytes_per_s": speed,
+            "checkpoint_bytes": checkpoint_end_bytes, "grace_s": SIGTERM_GRACE_S}
+
+
 def predict(events: Events, train: Train, m: dict, compile_: bool) -> dict:
     """Seconds of each part of the run from the measurements, and their sum."""
     probe_gradients = 2 * (train.gns_buckets * train.gns_bucket_samples + train.gns_probe_samples)
@@ -352,6 +370,7 @@ def run_plan(params: Params, root: Path, steps: int = 3, echo=print) -> dict:
         m = measure(trainer, steps, root / "models")
         del trainer
         pred = predict(events, params.train, m, params.train.compile)
+        pred["stop_to_saved"] = stop_to_saved(m, checkpoint_bytes(sizes, params.train, events), params.train)
         plan = {"device": str(rt.device), "precision": rt.precision, "world_size": rt.world_size,
                 "events": dataclasses.asdict(events), "sizes": dataclasses.asdict(sizes),
                 "checkpoint_bytes": checkpoint_bytes(sizes, params.train, events),
@@ -425,5 +444,17 @@ def render(plan: dict, params: Params) -> list[str]:
                  f"timeout of {fmt_seconds(timeout)}: "
                  + ("ok" if share <= RANK0_TIMEOUT_SHARE else
                     "TOO CLOSE: lower train.gns_bucket_samples / gns_probe_samples or val_draws before using torchrun"))
+    stop = pred.get("stop_to_saved")
+    if stop:
+        parts = stop["parts"]
+        lines.append(f"  SIGTERM to saved  at most {fmt_seconds(stop['total_s'])} (a step {fmt_seconds(parts['step'])}"
+                     + (f" + a snapshot {fmt_seconds(parts['snapshot'])}" if parts["snapshot"] else "")
+                     + f" + the checkpoint, {fmt_bytes(stop['checkpoint_bytes'])} at the end, at "
+                     f"{fmt_bytes(stop['write_bytes_per_s'])}/s {fmt_seconds(parts['checkpoint'])}; validation and "
+                     f"the probe wait for the resumed run) against the ~{stop['grace_s']:.0f} s torchrun, SLURM and "
+                     "Kubernetes allow before SIGKILL: "
+                     + ("ok" if stop["total_s"] <= stop["grace_s"] else
+                        "TOO LONG: a stop would be killed before its checkpoint is written; put models/ on a faster "
+                        "disk or raise the grace (SLURM KillWait, Kubernetes terminationGracePeriodSeconds)"))
     return lines
 

@@ -160,6 +160,8 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
                                  "label_values": list(cache.label_values)})
             if params.mlflow.system_metrics:
                 monitor = tracker.start_system_metrics(params.mlflow.system_metrics_interval_s)
+        if rt.is_main and stopping.requested() is None and catch_up_events(trainer) and tracker:
+            tracker.resend_from(c.step)  # the step's record now holds what the stop had left to this run
         bar = make_bar(rt, budget.total_steps, c.step, progress)
         with interrupt:
             if interrupt.requested(rt):  # noted while the process started up: stop before the first step
@@ -171,7 +173,8 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
                 record["timestamp"] = time.time()
                 last = c.step == budget.total_steps
                 if rt.is_main:  # the EMA weights agree on every rank
-                    run_sample_counted_events(trainer, record, before, last)  # before the checkpoint below
+                    # before the checkpoint below; a stop requested during the step skips what can wait
+                    run_sample_counted_events(trainer, record, before, last, stop_requested=interrupt.flag)
                 c.history.append(record)
                 report_progress(rt, bar, record, budget)
                 if stops_early(trainer, rt, before, last):
@@ -249,17 +252,47 @@ def log_final(tracker: RunTracker, trainer: Trainer, summary: dict, out: dict[st
     tracker.finish()
 
 
-def run_sample_counted_events(trainer: Trainer, record: dict, before: int, last: bool) -> None:
+def run_sample_counted_events(trainer: Trainer, record: dict, before: int, last: bool,
+                              stop_requested: bool = False) -> None:
     """Validation, post-hoc EMA snapshots and the bucket noise-scale probe, each when it is due in
-    samples (schedule.due_in_samples; snapshots: posthoc_ema.snapshot_due) after the step that took samples seen from `before` to now."""
+    samples (schedule.due_in_samples; snapshots: posthoc_ema.snapshot_due) after the step that took samples
+    seen from `before` to now.
+
+    stop_requested: a stop was requested during the step. The validation and the probe are then left to the
+    resumed run (record["deferred"]; catch_up_events runs them at the same weights): at 128^3 they take
+    tens of seconds to minutes, and SIGKILL follows SIGTERM after ~30 s under torchrun and SLURM. The
+    snapshot is taken (a checkpoint must not predate its snapshots)."""
     tr, now = trainer.p.train, trainer.counters.samples_seen
+    deferred = []
     if due_in_samples(before, now, tr.val_every_samples, last):
-        record["val_loss"] = trainer.validation_loss()
+        if stop_requested:
+            deferred.append("validation")
+        else:
+            record["val_loss"] = trainer.validation_loss()
     if trainer.phema is not None and posthoc_ema.snapshot_due(before, now, trainer.budget.total_samples,
                                                               tr.phema_snapshots):
         trainer.phema.snapshot()  # a checkpoint must not predate its snapshots
     if due_in_samples(before, now, tr.gns_buckets_every_samples, last):
-        record.update(trainer.bucket_noise_scale())
+        if stop_requested:
+            deferred.append("probe")
+        else:
+            record.update(trainer.bucket_noise_scale())
+    if deferred:
+        record["deferred"] = deferred
+
+
+def catch_up_events(trainer: Trainer) -> list[str]:
+    """What a stop left to this resumed run (run_sample_counted_events: record["deferred"]), run now at the
+    restored weights, which are that step's own (EMA for the validation, raw for the probe): the step's
+    record ends as an uninterrupted run's. Returns what ran."""
+    history = trainer.counters.history
+    deferred = history[-1].pop("deferred", []) if history else []
+    if "validation" in deferred:
+        history[-1]["val_loss"] = trainer.validation_loss()
+        trainer.best.observe(history)  # the best point as the step would have judged it
+    if "probe" in deferred:
+        history[-1].update(trainer.bucket_noise_scale())
+    return deferred
 
 
 def stops_early(trainer: Trainer, rt: Runtime, before: int, last: bool) -> bool:
@@ -270,7 +303,7 @@ def stops_early(trainer: Trainer, rt: Runtime, before: int, last: bool) -> bool:
     if not due_in_samples(before, c.samples_seen, tr.val_every_samples, last):
         return False
     stop = False
-    if rt.is_main:
+    if rt.is_main and "validation" not in c.history[-1].get("deferred", ()):  # a deferred one decides on resume
         trainer.best.observe(c.history)
         stop = not last and trainer.best.should_stop(c.samples_seen)
     if rt.world_size > 1:
