@@ -139,6 +139,144 @@ def snapshot_set_bytes(sizes: Sizes, train: Train) -> int:
             + SNAPSHOT_TENSOR_OVERHEAD_BYTES * sizes.tensors * profiles)
 
 
+# --- GPU memory ------------------------------------------------------------------------------------
+# Share of the free device memory an estimate may fill: the rest is for what it leaves out (the allocator's
+# fragmentation, cuDNN's workspaces, the gradients in flight during the backward).
+MEMORY_HEADROOM = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Device memory of a training step: a part that does not depend on the micro-batch and a part per sample."""
+    fixed: int        # bytes: fp32 weights, gradients, Adam's moments, EMA, post-hoc EMA profiles, and
+                      # autocast's low-precision copy of the weights
+    per_sample: int   # bytes per sample of the micro-batch: what autograd keeps from the forward for the backward
+    precision: str
+
+    def at(self, micro: int) -> int:
+        return self.fixed + micro * self.per_sample
+
+    def fitting(self, free: int) -> int:
+        """The largest micro-batch whose estimate fits MEMORY_HEADROOM of `free` bytes (0: none)."""
+        return max(0, int((MEMORY_HEADROOM * free - self.fixed) // max(self.per_sample, 1)))
+
+
+class _FlashAttentionSaves(torch.overrides.TorchFunctionMode):
+    """On the meta device scaled_dot_product_attention takes the math path, which keeps the tokens x tokens
+    attention matrix (69 GB for the tiny test network at 64^3). On CUDA the network uses the fused kernels
+    (model.build_network: flash_attention), which keep q, k, v, the output and a log-sum-exp per token: count
+    those instead, and let the output be a copy of q (same shape) so the pass goes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = (*args, *(kwargs[n] for n in ("query", "key", "value") if n in kwargs))[:3]
+            self.saved += sum(t.numel() * t.element_size() for t in (q, k, v, q)) + 4 * q[..., 0].numel()
+            return q.clone()
+        return func(*args, **kwargs)
+
+
+def activation_bytes(params: Params, num_classes: int) -> tuple[int, int]:
+    """(all fp32, all in half precision) bytes autograd saves in one sample's forward pass of params.yaml's
+    network as CUDA runs it (saved-tensor hooks on a meta-device pass: nothing is allocated; the attention as
+    the fused kernels keep it). With model.activation_checkpointing the blocks keep only their inputs, plus
+    one block's own activations while it is recomputed."""
+    from voxdiff.diffusion.model import build_network
+
+    def count(dtype) -> int:
+        with torch.device("meta"):
+            net = build_network(dataclasses.replace(params.model, activation_checkpointing=False),
+                                num_classes, flash_attention=True).to(dtype)
+        saved: dict[int, tuple[int, torch.Tensor]] = {}  # by id, the tensor kept so that no id is reused
+        blocks: list[tuple[int, int]] = []  # (bytes saved inside the block, bytes of its inputs)
+        at_entry: list[tuple[int, int]] = []
+
+        def pack(t):
+            saved[id(t)] = (t.numel() * t.element_size(), t)
+            return t
+
+        def saved_bytes() -> int:
+            return sum(n for n, _ in saved.values())
+
+        def enter(module, args):
+            at_entry.append((saved_bytes(), sum(a.numel() * a.element_size() for a in args
+                                                      if isinstance(a, torch.Tensor))))
+
+        def leave(module, args, out):
+            total, inputs = at_entry.pop()
+            blocks.append((saved_bytes() - total, inputs))
+
+        for block in [*net.down_blocks, net.middle_block, *net.up_blocks]:
+            block.register_forward_pre_hook(enter)
+            block.register_forward_hook(leave)
+        attention = _FlashAttentionSaves()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attention:
+            net(torch.zeros(1, 1 + num_classes, *params.preprocess.shape, device="meta", dtype=dtype),
+                timesteps=torch.zeros(1, dtype=torch.long, device="meta"))
+        total = saved_bytes() + attention.saved
+        if params.model.activation_checkpointing:
+            total += -sum(b for b, _ in blocks) + sum(i for _, i in blocks) + max(b for b, _ in blocks)
+        return total
+
+    return count(torch.float32), count(torch.bfloat16)
+
+
+def memory_estimate(params: Params, num_classes: int, precision: str, world_size: int = 1) -> MemoryEstimate:
+    """The training step's device memory (MemoryEstimate) from the network's sizes and its saved activations.
+    Activations: fp32 at precision fp32; under bf16/fp16 autocast the midpoint of all-fp32 and all-half (the
+    convolutions keep half-precision inputs, CUDA's autocast keeps GroupNorm in fp32). Not calibrated on a
+    GPU here (none was lent): an estimate, written out in the refusal."""
+    sizes = sizes_for(params, num_classes)
+    copies = 2 + len(params.train.phema_sigma_rels)  # weights, EMA, profiles (the best point's copies: on the CPU)
+    fixed = 4 * sizes.weights * copies + 4 * 3 * sizes.trainable  # + gradients and Adam's two moments
+    if precision != "fp32":
+        fixed += 2 * sizes.trainable  # autocast's half-precision copy of the weights
+    if world_size > 1:
+        fixed += 4 * sizes.trainable  # DDP's gradient buckets
+    full, half = activation_bytes(params, num_classes)
+    per_sample = full if precision == "fp32" else (full + half) // 2
+    return MemoryEstimate(fixed, per_sample, precision)
+
+
+def memory_refusal(estimate: MemoryEstimate, free: int, micro: int, accumulate: int, world_size: int,
+                   device: str) -> str | None:
+    """One line when train.batch_size `micro` does not fit `free` bytes of device memory (its estimate above
+    MEMORY_HEADROOM of them), naming the estimate, the free memory and the micro-batch that fits; else None.
+    A pure function: the CPU tests it, training and `--plan` call it with CUDA's free memory."""
+    need = estimate.at(micro)
+    if need <= MEMORY_HEADROOM * free:
+        return None
+    head = (f"{device}: not enough GPU memory for train.batch_size {micro}: a training step needs ~{fmt_bytes(need)} "
+            f"(estimated: {fmt_bytes(estimate.fixed)} for weights, gradients, Adam, EMA and profiles + "
+            f"{fmt_bytes(estimate.per_sample)} of activations per sample, {estimate.precision}), "
+            f"{fmt_bytes(free)} are free")
+    fits = estimate.fitting(free)
+    if fits < 1:
+        return (f"{head}; not even micro-batch 1 fits: set model.activation_checkpointing: true, a smaller "
+                "preprocess.shape or model.channels, or use a larger GPU")
+    per_process = micro * accumulate  # keep the effective batch: a micro-batch that divides it
+    m = max(d for d in range(1, min(fits, per_process) + 1) if per_process % d == 0)
+    return (f"{head}; micro-batch {fits} fits: set train.batch_size: {m} and train.accumulate_every: "
+            f"{per_process // m} to keep the effective batch {per_process * world_size}")
+
+
+def check_gpu_memory(params: Params, device: torch.device, num_classes: int, world_size: int,
+                     precision: str) -> MemoryEstimate:
+    """On a CUDA device: refuse (VoxdiffError, one line) a micro-batch that cannot fit the free memory,
+    before any weight is on it. Returns the estimate."""
+    estimate = memory_estimate(params, num_classes, precision, world_size)
+    free, _ = torch.cuda.mem_get_info(device)
+    line = memory_refusal(estimate, free, params.train.batch_size, params.train.accumulate_every, world_size,
+                          str(device))
+    if line:
+        raise VoxdiffError(line)
+    return estimate
+
+
 # --- disk ------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class DiskNeed:
@@ -366,6 +504,9 @@ def run_plan(params: Params, root: Path, steps: int = 3, echo=print) -> dict:
         events = count_events(params.train, rt.world_size)
         sizes = sizes_for(params, cache.num_classes)
         needs = disk_needs(params, root, sizes, events)
+        memory = memory_estimate(params, cache.num_classes, rt.precision, rt.world_size)
+        if rt.device.type == "cuda":  # refused before the measured steps would run out of memory
+            check_gpu_memory(params, rt.device, cache.num_classes, rt.world_size, rt.precision)
         trainer = Trainer(measuring_params(params, steps + 1), root, rt, cache)
         m = measure(trainer, steps, root / "models")
         del trainer
@@ -380,6 +521,7 @@ def run_plan(params: Params, root: Path, steps: int = 3, echo=print) -> dict:
                 "disk": [{"folder": str(n.folder), "need": n.need, "free": n.free, "ok": n.ok,
                           "items": n.items, "reclaimed": n.reclaimed} for n in needs],
                 "measured": m, "predicted": pred, "measured_steps": steps,
+                "memory_estimate": dataclasses.asdict(memory),
                 "process_group_timeout_s": PROCESS_GROUP_TIMEOUT.total_seconds()}
         if rt.device.type == "cuda":
             plan["device_memory_mb"] = torch.cuda.get_device_properties(rt.device).total_memory / 2**20
@@ -425,10 +567,15 @@ def render(plan: dict, params: Params) -> list[str]:
                      + ", ".join(w for w, _ in d["items"])
                      + (f", less {fmt_bytes(d['reclaimed'])} replaced" if d["reclaimed"] else "") + ")")
     total = plan.get("device_memory_mb")
+    mem = plan["memory_estimate"]
     lines += [
         f"  memory            peak {m['peak_memory_mb']:.0f} MB ({mem_kind}) in a training step at micro-batch "
         f"{e['micro_batch']}, {m['peak_memory_all_mb']:.0f} MB with validation and the probe"
         + (f", of {total:.0f} MB" if total else ""),
+        f"  GPU memory        estimated {fmt_bytes(mem['fixed'] + e['micro_batch'] * mem['per_sample'])} at micro-batch "
+        f"{e['micro_batch']} ({fmt_bytes(mem['fixed'])} for weights, gradients, Adam, EMA and profiles + "
+        f"{fmt_bytes(mem['per_sample'])} of activations per sample, {mem['precision']}); on CUDA, training refuses "
+        f"a step that does not fit {MEMORY_HEADROOM:.0%} of the free memory",
         f"  step time         {fmt_seconds(m['step_s'])} (median of {plan['measured_steps']} steps after a warm-up step "
         f"of {fmt_seconds(m['first_step_s'])}): {e['effective_batch'] / m['step_s']:.2f} samples/s",
         f"  per event         validation {fmt_seconds(m['validation_s'])}, probe {pred['probe_gradients']} x "

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from voxdiff import stopping
 from voxdiff.training import checkpoint, plan, posthoc_ema
 
@@ -16,7 +18,7 @@ from voxdiff.codehash import training_code_hash
 from voxdiff.report import plots
 from voxdiff.data.cache import open_cache
 from voxdiff.training.distributed import Runtime, configure_backends, init_runtime, shutdown
-from voxdiff.errors import echo
+from voxdiff.errors import VoxdiffError, echo
 from voxdiff.fsutil import write_json, write_text
 from voxdiff.params import Params
 from voxdiff.training.schedule import due_in_samples, ema_rampup_end
@@ -61,6 +63,12 @@ def run_training(params: Params, root: Path, progress: bool | None = None, resta
         try:
             configure_backends(rt.device, params.train.tf32, params.train.deterministic)  # before any CUDA matmul
             return _run(params, Path(root), rt, progress, restart or os.environ.get("VOXDIFF_RESTART") == "1")
+        except torch.OutOfMemoryError as e:  # past plan.check_gpu_memory's estimate: one line, no traceback
+            raise VoxdiffError(
+                f"{rt.device}: out of memory in training at train.batch_size {params.train.batch_size} "
+                f"({str(e).splitlines()[0][:160]}); lower train.batch_size (raise train.accumulate_every to keep "
+                "the effective batch) or set model.activation_checkpointing: true; `voxdiff train --plan` shows "
+                "the estimate; the last checkpoint is kept") from None
         finally:
             shutdown()
     finally:
@@ -70,6 +78,8 @@ def run_training(params: Params, root: Path, progress: bool | None = None, resta
 def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart: bool = False) -> dict:
     out = paths(root)
     cache = open_cache(root / "data" / "processed")
+    if rt.device.type == "cuda":  # before any weight is on the GPU: a step that cannot fit is refused in one line
+        plan.check_gpu_memory(params, rt.device, cache.num_classes, rt.world_size, rt.precision)
     trainer = Trainer(params, root, rt, cache)
     budget = trainer.budget
     # Refuses (one line naming what changed) rather than train over an unfinished run of other settings.
