@@ -135,3 +135,17 @@ def test_best_weights_take_a_copy_only_on_a_new_lowest_window():
     restored.load_state_dict(best.state_dict())
     assert restored.mark == best.mark and torch.equal(restored.state["weight"], best.state["weight"])
     assert not BestWeights(net, patience_samples=0).should_stop(10 ** 9)  # 0 = off
+
+
+def test_a_run_still_at_its_lowest_at_its_end_is_evaluated_at_its_end():
+    """A falling run's best window is its last: the kept copy lies two validations before the end, and the
+    final weights, at least as good, are read as its best."""
+    from voxdiff.evaluation.evaluate import evaluated_weights, still_at_best
+
+    history = [{"step": s, "val_loss": 1.0 / s} for s in range(1, 11)]
+    state = {"step": 10, "samples_seen": 20, "ema": "final", "history": history,
+             "best": {"ema": "kept", "mark": {"step": 8, "samples_seen": 16}}}
+    assert still_at_best(state, 8) and evaluated_weights(state, "best") == ("best", state)
+    passed = {**state, "best": {"ema": "kept", "mark": {"step": 5, "samples_seen": 10}}}
+    which, weights = evaluated_weights(passed, "best")
+    assert which == "best" and weights["ema"] == "kept" and weights["step"] == 5

@@ -363,16 +363,30 @@ def check_compatible(state: dict, cache: ProcessedCache, ckpt_path: Path, rows: 
 def evaluated_weights(state: dict, which: str) -> tuple[str, dict]:
     """("best" or "final", a checkpoint state whose "ema", "step" and "samples_seen" are those weights'). best:
     the EMA at the run's own best (training/best.py), when the run kept one (five validations or more, and a
-    checkpoint written since voxdiff kept it); else the final weights, and the name says so."""
+    checkpoint written since voxdiff kept it) and passed it; a run still at its lowest at its end is at its best
+    there (still_at_best). Else the final weights, and the name says so."""
     best = state.get("best") or {}
     if which == "best" and best.get("ema") is not None and best.get("mark"):
         mark = best["mark"]
+        if still_at_best(state, int(mark["step"])):
+            say(f"the run was still at its lowest at its end (best window ending at step {state['step']}): its "
+                "final weights are its best")
+            return "best", state
         return "best", {**state, "ema": best["ema"], "step": int(mark["step"]),
                         "samples_seen": int(mark["samples_seen"])}
     if which == "best":
         say("no best point kept in the checkpoint (fewer than 5 validations, or written before voxdiff kept one): "
             "evaluating the final weights")
     return "final", state
+
+
+def still_at_best(state: dict, mark_step: int) -> bool:
+    """The kept best is the centre of the run's last full window of validations: the run never passed its best
+    (still falling, or flat, at its end), so its final weights are at least as good and are the ones read."""
+    from voxdiff.convergence import BEST_WINDOW
+
+    steps = [h["step"] for h in state.get("history", []) if h.get("val_loss") is not None]
+    return len(steps) > BEST_WINDOW // 2 and steps[-1 - BEST_WINDOW // 2] == mark_step
 
 
 def evaluate_network(net, diff_p, params: Params, cache: ProcessedCache, state: dict, source: Path, val_rows, rows,
