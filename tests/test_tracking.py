@@ -127,9 +127,10 @@ def test_logged_ema_model_loads_without_voxdiff(tiny_root, activation_checkpoint
 
     torch.save(x, tiny_root / "x.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # timeout: the subprocess's mlflow and torch imports take minutes on a loaded machine
     out = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_VOXDIFF, f"runs:/{tracker.run_id}/ema_model",
                           str(tiny_root / "x.pt"), str(tiny_root / "y.pt")],
-                         capture_output=True, text=True, env=env, cwd=tiny_root, timeout=900)  # mlflow + torch imports: minutes on a loaded machine
+                         capture_output=True, text=True, env=env, cwd=tiny_root, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
     # every package the pickle names is a declared requirement (MONAI's attention is einops' Rearrange)
