@@ -98,7 +98,7 @@ def test_evaluate_writes_outputs_and_separates_trained_from_untrained(project, t
     assert compact == {"ssim": round(m["eval_ssim"], 3),
                        "ssim_floor": round(max(m["eval_ssim_floor_noise"], m["eval_ssim_floor_tissue_mean"]), 3),
                        "diversity": m["eval_msssim_samples"],  # no diversity_ref: not the built-in data
-                       "dice": round(m["eval_dice_fidelity_mean"], 3)}  # segmentation Dice (test_segmenter.py)
+                       "dice": round(m["eval_dice_fidelity_mean"], 2)}  # segmentation Dice (test_segmenter.py)
     assert m["eval_dice_tstr_ratio"] > 0 and m["eval_dice_fidelity_mean_ceiling"] > 0
     assert m["eval_val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-6)
     for key in ("eval_ssim", "eval_psnr", "eval_mae", "eval_msssim_samples", "eval_msssim_real",
