@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -115,3 +118,101 @@ def _quiet_threads():
 
     torch.set_num_threads(1)  # 2 threads on 2 busy cores is many times slower
     yield
+
+
+# --- make test on every core (pytest-xdist: make test runs `-n auto --dist loadgroup --no-loadscope-reorder`) ---
+# Tests are independent (tmp_path roots, private SQLite stores, MLflow servers and torchrun on free ports), so
+# xdist hands them out one at a time, with two exceptions arranged here: a module that defines a fixture shared
+# by its tests (scope module, class, package or session: a trained model, a built dataset) goes to one worker
+# whole, which builds it once; and the slowest tests start first, so that the other worker runs the rest beside
+# them instead of waiting for them at the end. xdist's own loadgroup cannot do the first on pytest 9 (the group
+# it writes into the test's nodeid is lost: pytest-dev/pytest-xdist#1386), hence the scheduler below.
+
+# Slowest first, by `pytest --durations` on 2 cores (a path prefix takes a module or a parametrized test).
+SLOW_FIRST = [
+    "tests/test_e2e_dvc.py::test_pipeline_repro_experiments_and_queue",  # ~310 s: dvc repro, edits, a queued grid
+    "tests/test_e2e_hosts.py::test_grid_on_two_hosts_compared_on_a_third",  # ~175 s
+    "tests/test_compare_real.py",  # six trainings in its module fixture
+    "tests/test_resume_ddp.py::test_resume_after_sigkill_is_bitwise_exact",  # ~145 s
+    "tests/test_mlflow_server.py::test_queued_grid_through_a_real_mlflow_server",
+    "tests/test_e2e_dvc.py::test_queued_grid_creates_one_run_each",
+    "tests/test_evaluate.py",  # a 512-sample training in its module fixture
+    "tests/test_resume_ddp.py",  # torchrun on 2 processes
+    "tests/test_advise.py",
+    "tests/test_tracking_outage.py",
+    "tests/test_params_cli.py::test_doctor_reports_device_precision_versions_and_store",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _shares_a_fixture(module: str) -> bool:
+    """Whether the test module (a path from the repo root) defines a fixture broader than one test."""
+    try:
+        tree = ast.parse((REPO / module).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        for dec in getattr(node, "decorator_list", ()):
+            if (isinstance(dec, ast.Call) and getattr(dec.func, "attr", getattr(dec.func, "id", None)) == "fixture"
+                    and any(k.arg == "scope" and getattr(k.value, "value", None) != "function" for k in dec.keywords)):
+                return True
+    return False
+
+
+def _work_unit(nodeid: str) -> str:
+    """What one xdist worker runs in one go: the test, or its whole module when that shares a fixture."""
+    module = nodeid.split("::", 1)[0]
+    return module if _shares_a_fixture(module) else nodeid
+
+
+def _slow_rank(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(SLOW_FIRST) if nodeid.startswith(prefix)), len(SLOW_FIRST))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slowest first (with or without xdist); a stable sort, so a module's tests stay together and in order."""
+    rank = {}
+    for item in items:
+        unit = _work_unit(item.nodeid)
+        rank[unit] = min(rank.get(unit, len(SLOW_FIRST)), _slow_rank(item.nodeid))
+    items.sort(key=lambda item: rank[_work_unit(item.nodeid)])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup: xdist's load-group scheduler with _work_unit's units, in the collection's order."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SharedFixtureScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # an explicit xdist_group mark, should xdist pass it on again
+                return super()._split_scope(nodeid)
+            return _work_unit(nodeid)
+
+    return SharedFixtureScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per CPU this process may use (its affinity, and a cgroup CPU quota where one is
+    set), not psutil's count of the host's physical cores. PYTEST_XDIST_AUTO_NUM_WORKERS still overrides it."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread_from_the_start():
+    """One torch thread before any module fixture trains (those are set up before _quiet_threads runs)."""
+    import torch
+
+    torch.set_num_threads(1)

@@ -276,7 +276,11 @@ def big_tensors(numel: int, exclude) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance() on deprecated torch module attributes warns
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.numel() == numel:
+            try:
+                found = isinstance(obj, torch.Tensor) and obj.numel() == numel
+            except ReferenceError:  # a weakref proxy whose object is gone, left by an earlier test in this process
+                continue
+            if found:
                 ptr = obj.untyped_storage().data_ptr()
                 if ptr not in skip:
                     ptrs.add(ptr)

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from conftest import TINY, raw_params, write_tiny_cache
+from test_mlflow_server import free_port  # torchrun's port: a free one, so that runs side by side never share it
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +145,7 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path, max_samples):
     subprocess.run(train_cmd(single), env=env_for(single), check=True, capture_output=True)
 
     ddp = project(tmp_path / "ddp", {**common, "train.accumulate_every": 1})
-    out = run_ddp(ddp, 29500 + max_samples)
+    out = run_ddp(ddp, free_port())
     a, b = load_ckpt(single), load_ckpt(ddp)
     assert b["step"] == a["step"] == (max_samples + 1) // 2 and b["samples_seen"] == max_samples
     assert rel_diff(a["model"], b["model"]) <= 1e-5
@@ -172,7 +173,7 @@ def test_ddp_no_sync_accumulation_matches_one_process(tmp_path):
     single = project(tmp_path / "single", {**common, "train.accumulate_every": 4})
     subprocess.run(train_cmd(single), env=env_for(single), check=True, capture_output=True)
     ddp = project(tmp_path / "ddp", {**common, "train.accumulate_every": 2})
-    run_ddp(ddp, 29521)
+    run_ddp(ddp, free_port())
     a, b = load_ckpt(single), load_ckpt(ddp)
     assert a["step"] == b["step"] == 4
     assert rel_diff(a["model"], b["model"]) <= 1e-5
