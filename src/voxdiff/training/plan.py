@@ -123,13 +123,22 @@ def sizes_for(params: Params, num_classes: int | None = None) -> Sizes:
 
 def checkpoint_bytes(sizes: Sizes, train: Train, events: Events) -> int:
     """models/checkpoint.pt at the end of the run (Trainer.state): the weights, the EMA, each post-hoc EMA
-    profile, Adam's two moments, all in fp32, and the step history."""
+    profile, the best point's EMA copies (best_copies), Adam's two moments, all in fp32, and the step history."""
     profiles = len(train.phema_sigma_rels)
-    elements = sizes.weights * (2 + profiles) + 2 * sizes.trainable
-    tensors = sizes.tensors * (2 + profiles) + 3 * sizes.trainable_tensors + 1 + 2 * profiles  # + Adam's step,
+    copies = 2 + profiles + best_copies(events.validations)
+    elements = sizes.weights * copies + 2 * sizes.trainable
+    tensors = sizes.tensors * copies + 3 * sizes.trainable_tensors + 1 + 2 * profiles  # + Adam's step,
     history = events.total_steps * HISTORY_BYTES_PER_STEP + events.probes * PROBE_BYTES_PER_GROUP * (  # EMA's count
         train.gns_buckets + (1 if train.gns_probe_samples else 0))
     return 4 * elements + TENSOR_OVERHEAD_BYTES * tensors + history
+
+
+def best_copies(validations: int) -> int:
+    """EMA copies training/best.py holds at the end of a run with this many validations: the kept best (once a
+    window of BEST_WINDOW is full) and the BEST_WINDOW // 2 latest, which may yet be a window's centre."""
+    from voxdiff.convergence import BEST_WINDOW
+
+    return (1 if validations >= BEST_WINDOW else 0) + min(validations, BEST_WINDOW // 2)
 
 
 def snapshot_set_bytes(sizes: Sizes, train: Train) -> int:

@@ -334,7 +334,8 @@ def model_metadata(trainer: Trainer) -> dict:
 
 
 # Figures read off the val_loss curve: measured on the draws in force during training.
-CURVE_FIGURES = ("best_val_loss", "val_flattening", "plateau_change", "plateau_reached", "plateau_val_loss",
+CURVE_FIGURES = ("best_val_loss", "val_flattening", "plateau_change", "plateau_reached", "plateau_past_best",
+                 "plateau_val_loss",
                  "own_best_val_loss", "own_best_step", "own_best_samples", "own_best_at_end",
                  "best_checkpoint_val_loss")
 
@@ -389,12 +390,15 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
 
 def plateau_figures(steps: list[int], losses: list[float]) -> dict:
     """The plateau criterion (convergence.py): the val loss's relative change over the last quarter of
-    the run's optimizer steps, whether it is within convergence.PLATEAU_THRESHOLD, and the level."""
+    the run's optimizer steps, the verdict (plateau_reached 1 only at a plateau: a run past its best, risen
+    or settled above its own best, is plateau_past_best 1 and never at a plateau), and the level."""
     from voxdiff import convergence
 
-    change = convergence.plateau_change(steps, losses)
-    reached = convergence.reached_plateau(change)
-    return {"plateau_change": change, "plateau_reached": None if reached is None else int(reached),
+    verdict = convergence.plateau_verdict(steps, losses)
+    known = verdict is not None
+    return {"plateau_change": convergence.plateau_change(steps, losses),
+            "plateau_reached": int(verdict == convergence.PLATEAU) if known else None,
+            "plateau_past_best": int(verdict == convergence.PAST_BEST) if known else None,
             "plateau_val_loss": convergence.plateau_level(steps, losses)}
 
 
