@@ -100,7 +100,7 @@ def test_evaluate_writes_outputs_and_separates_trained_from_untrained(project, t
                        "diversity": m["eval_msssim_samples"],  # no diversity_ref: not the built-in data
                        "dice": round(m["eval_dice_fidelity_mean"], 2)}  # segmentation Dice (test_segmenter.py)
     assert m["eval_dice_tstr_ratio"] > 0 and m["eval_dice_fidelity_mean_ceiling"] > 0
-    assert m["eval_val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-6)
+    assert m.get("eval_final_val_loss", m["eval_val_loss"]) == pytest.approx(summary["final_val_loss"], rel=1e-6)
     for key in ("eval_ssim", "eval_psnr", "eval_mae", "eval_msssim_samples", "eval_msssim_real",
                 "eval_contrast_order_ok", "eval_w1_label0", "eval_w1_label1", "eval_w1_label2",
                 "eval_seconds_per_volume", "eval_peak_memory_mb", "eval_ssim_ancestral",
