@@ -139,9 +139,11 @@ def test_the_data_size_arms_share_validation_and_pair_by_seed(grid, monkeypatch)
     """Every data-size run validates on the same subjects, draws and grid in samples whatever its N and k, and
     every k > 1 run has a k 1 partner of the same seed and N (the paired analysis reads pairs). Until the LR
     pilot has chosen the lr, only the pilot is in the grid."""
-    assert grid.DS_LR is None and not [a for a, _ in grid.arms() if a.startswith("data-size")]
+    assert grid.DS_LR in grid.DS_LR_GRID  # chosen by the pilot
     assert [o["train.lr"] for a, o in grid.arms() if a == "ds-lr"] == list(grid.DS_LR_GRID)
-    monkeypatch.setattr(grid, "DS_LR", 1.0e-3)
+    monkeypatch.setattr(grid, "DS_LR", None)
+    assert not [a for a, _ in grid.arms() if a.startswith("data-size")]  # no arm before the pilot has chosen
+    monkeypatch.setattr(grid, "DS_LR", 5.0e-4)
     runs = [o for a, o in grid.arms() if a.startswith("data-size")]
     assert len(runs) == sum(len(ks) * len(seeds) for _, ks, seeds in grid.DS_DESIGN) == 25
     shared = ("data.subjects", "data.val_subjects", "train.val_every_samples", "train.val_draws", "train.val_seed")
