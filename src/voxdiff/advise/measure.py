@@ -96,7 +96,8 @@ class Session:
             # Optimizer.load_state_dict keeps the given tensors when device and dtype match, and the
             # branch's steps would then write into self.state: every trainer gets its own copy.
             skip = ("history", "phema")  # neither is read here: no post-hoc EMA in these trainers
-            tr.restore(copy.deepcopy({k: v for k, v in self.state.items() if k not in skip}) | {"history": []})
+            tr.restore(copy.deepcopy({k: v for k, v in self.state.items() if k not in skip})
+                       | {"history": [], "phema": {}})
             for group in tr.opt.param_groups:  # load_state_dict restored the checkpoint's; keep this batch's
                 group["betas"], group["eps"] = tr.adam.betas, tr.adam.eps
         tr.gns_reason = NOT_MEASURED  # the accumulation probe (GradProbe) is not what advise reads
