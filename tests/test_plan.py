@@ -42,8 +42,13 @@ def test_plan_on_the_tiny_config_prints_the_fields_with_the_right_arithmetic(tin
     assert result["sizes"]["weights"] == weights
     tensors = sum(v.is_floating_point() for v in net.state_dict().values())
     assert result["snapshot_bytes"] == (weights * 2 + plan.SNAPSHOT_TENSOR_OVERHEAD_BYTES * tensors) * 2 * 3
-    # The estimate against the checkpoint the plan wrote (history of 2 steps against 3: 200 B)
-    assert result["checkpoint_bytes"] == pytest.approx(result["measured"]["checkpoint_measured_bytes"], rel=0.03)
+    # The estimate against the checkpoint the plan wrote (history of 2 steps against 3: 200 B), which holds no
+    # best-point EMA copies yet (no validation has been judged): the end of the run holds best_copies(3) = 2.
+    one_copy = 4 * weights + plan.TENSOR_OVERHEAD_BYTES * tensors
+    assert plan.best_copies(3) == 2
+    assert result["checkpoint_bytes"] == pytest.approx(
+        result["measured"]["checkpoint_measured_bytes"] + 2 * one_copy, rel=0.03)
+    assert result["checkpoint_bytes"] > result["measured"]["checkpoint_measured_bytes"] + 1.5 * one_copy
     d, = result["disk"]  # one file system here: checkpoint twice, the snapshots, the MLflow model, no DVC
     assert d["need"] == 2 * result["checkpoint_bytes"] + result["snapshot_bytes"] + 4 * weights and d["ok"]
     m, pred = result["measured"], result["predicted"]
@@ -118,8 +123,10 @@ def test_params_gpu_plan_arithmetic(tmp_path, monkeypatch):
     assert data < snapshots < data + 5e6 and snapshots <= 5e9  # + each file's pickle
     assert round(data / 1e9, 2) == round(snapshots / 1e9, 2) == 3.28
     ckpt = plan.checkpoint_bytes(sizes, p.train, e)
-    # 6 fp32 copies (weights, EMA, 2 profiles, Adam's 2 moments) = 0.985 GB, + history of 100,000 steps
-    assert 6 * 4 * sizes.weights < ckpt < 6 * 4 * sizes.weights + 25e6 and round(ckpt / 1e9, 2) == 1.01
+    # 9 fp32 copies (weights, EMA, 2 profiles, Adam's 2 moments, the best point's 3 EMA copies: 1 kept + 2
+    # pending) = 1.477 GB, + history of 100,000 steps
+    assert plan.best_copies(e.validations) == 3
+    assert 9 * 4 * sizes.weights < ckpt < 9 * 4 * sizes.weights + 25e6 and round(ckpt / 1e9, 2) == 1.5
 
     # A DVC project with its cache on the same disk: checkpoint twice, snapshots, DVC copy, MLflow model
     (tmp_path / ".dvc").mkdir()
@@ -130,10 +137,10 @@ def test_params_gpu_plan_arithmetic(tmp_path, monkeypatch):
     need, = plan.disk_needs(p, tmp_path, sizes, e)
     assert plan.dvc_cache_dir(tmp_path) == tmp_path / ".dvc" / "cache"
     assert need.need == 2 * ckpt + snapshots + ckpt + 4 * sizes.weights and need.ok
-    assert round(need.need / 1e9, 2) == 6.46
+    assert round(need.need / 1e9, 2) == 7.94
     plan.check_disk([need])
     fake_free(monkeypatch, 5 * 10**9)
-    with pytest.raises(VoxdiffError, match=r"needs 6\.46 GB there .*DVC cache copy 1\.01 GB.*5\.00 GB are free"):
+    with pytest.raises(VoxdiffError, match=r"needs 7\.94 GB there .*DVC cache copy 1\.50 GB.*5\.00 GB are free"):
         plan.check_disk(plan.disk_needs(p, tmp_path, sizes, e))
     # A cache that links instead of copying takes no second copy
     (tmp_path / ".dvc" / "config").write_text("[cache]\n    type = hardlink,symlink\n")

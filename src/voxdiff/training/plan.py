@@ -561,7 +561,8 @@ def render(plan: dict, params: Params) -> list[str]:
         f"EMA snapshots per profile, {e['checkpoints']} checkpoint writes",
         f"  network           {n / 1e6:.2f} M weights ({fmt_bytes(4 * n)} in fp32)",
         f"  checkpoint        {fmt_bytes(plan['checkpoint_bytes'])} at the end (fp32: weights, EMA, "
-        f"{len(t.phema_sigma_rels)} post-hoc EMA profiles, Adam's 2 moments; + step history; a real one written now: "
+        f"{len(t.phema_sigma_rels)} post-hoc EMA profiles, {best_copies(e['validations'])} EMA copies for the best point, "
+        f"Adam's 2 moments; + step history; a real one written now, with no best point yet: "
         f"{fmt_bytes(m.get('checkpoint_measured_bytes', 0))} after {m.get('checkpoint_measured_history_steps', 0)} "
         f"steps); twice that while one is written",
         f"  snapshots         {fmt_bytes(plan['snapshot_bytes'])} in models/phema ({n / 1e6:.2f} M x 2 B x "
