@@ -173,7 +173,8 @@ def test_pipeline_repro_experiments_and_queue(tmp_path):
     assert json.loads((repo / "metrics/train_detail.json").read_text())["mlflow_run_id"] == train["mlflow_run_id"]
     # ... and an edit to the training code trains again: the old weights do not stand for new code.
     trainer_py = repo / TRAINING_CODE
-    trainer_py.write_text(trainer_py.read_text() + "\n# a fix\n")
+    # (code, not a comment: the code hash reads the syntax tree, so a comment alone changes nothing)
+    trainer_py.write_text(trainer_py.read_text() + "\nA_FIX = 1\n")
     retrain = sh(repo, "dvc", "repro", "train")
     assert "training code" in retrain.stderr and "nothing to train" not in retrain.stderr
     retrained = json.loads((repo / "metrics/train_detail.json").read_text())
