@@ -145,7 +145,9 @@ def test_a_run_still_at_its_lowest_at_its_end_is_evaluated_at_its_end():
     history = [{"step": s, "val_loss": 1.0 / s} for s in range(1, 11)]
     state = {"step": 10, "samples_seen": 20, "ema": "final", "history": history,
              "best": {"ema": "kept", "mark": {"step": 8, "samples_seen": 16}}}
-    assert still_at_best(state, 8) and evaluated_weights(state, "best") == ("best", state)
-    passed = {**state, "best": {"ema": "kept", "mark": {"step": 5, "samples_seen": 10}}}
+    assert still_at_best(state) and evaluated_weights(state, "best") == ("best", state)
+    rose = [{"step": s, "val_loss": abs(s - 5) + 1.0} for s in range(1, 11)]  # lowest at step 5, then rising
+    passed = {**state, "history": rose, "best": {"ema": "kept", "mark": {"step": 5, "samples_seen": 10}}}
+    assert not still_at_best(passed)
     which, weights = evaluated_weights(passed, "best")
     assert which == "best" and weights["ema"] == "kept" and weights["step"] == 5

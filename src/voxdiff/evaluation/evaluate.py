@@ -42,6 +42,7 @@ Metrics (volumes in the cache's [-1, 1] scale; "brain" = label > 0):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import re
@@ -368,7 +369,7 @@ def evaluated_weights(state: dict, which: str) -> tuple[str, dict]:
     best = state.get("best") or {}
     if which == "best" and best.get("ema") is not None and best.get("mark"):
         mark = best["mark"]
-        if still_at_best(state, int(mark["step"])):
+        if still_at_best(state):
             say(f"the run was still at its lowest at its end (best window ending at step {state['step']}): its "
                 "final weights are its best")
             return "best", state
@@ -380,19 +381,35 @@ def evaluated_weights(state: dict, which: str) -> tuple[str, dict]:
     return "final", state
 
 
-def still_at_best(state: dict, mark_step: int) -> bool:
-    """The kept best is the centre of the run's last full window of validations: the run never passed its best
-    (still falling, or flat, at its end), so its final weights are at least as good and are the ones read."""
-    from voxdiff.convergence import BEST_WINDOW
+def still_at_best(state: dict) -> bool:
+    """The run's lowest window of validations is its last (convergence.best_point, the rule the kept copy
+    follows): it never passed its best (still falling, or flat, at its end), so its final weights are at least
+    as good and are the ones read."""
+    from voxdiff.convergence import best_point
 
-    steps = [h["step"] for h in state.get("history", []) if h.get("val_loss") is not None]
-    return len(steps) > BEST_WINDOW // 2 and steps[-1 - BEST_WINDOW // 2] == mark_step
+    best = best_point([h["val_loss"] for h in state.get("history", []) if h.get("val_loss") is not None])
+    return best is not None and best.at_end
 
 
-def evaluate_network(net, diff_p, params: Params, cache: ProcessedCache, state: dict, source: Path, val_rows, rows,
-                     device, reference: float | None, interactive: bool) -> tuple[list[dict], dict]:
-    """Validation loss, samples and their figures for one set of weights: (per-subject entries, metrics).
-    `reference`: the data's own diversity (diversity_reference), the same for every set of weights."""
+@dataclasses.dataclass(frozen=True)
+class EvalSetting:
+    """What every set of weights is evaluated against: the same subjects, draws, device and references."""
+    params: Params
+    cache: ProcessedCache
+    state: dict            # the checkpoint (its training params and resolved precision)
+    source: Path           # the checkpoint file, named in errors
+    val_rows: np.ndarray   # every validation subject (the val loss)
+    rows: np.ndarray       # those sampled (evaluate.subjects)
+    device: torch.device
+    reference: float | None  # the data's own diversity (diversity_reference)
+    interactive: bool
+
+
+def evaluate_network(net, diff_p, setting: EvalSetting) -> tuple[list[dict], dict]:
+    """Validation loss, samples and their figures for one set of weights: (per-subject entries, metrics)."""
+    params, cache, state, source = setting.params, setting.cache, setting.state, setting.source
+    val_rows, rows, device, reference, interactive = (setting.val_rows, setting.rows, setting.device,
+                                                      setting.reference, setting.interactive)
     ev = params.evaluate
     metric_device = device if device.type == "cuda" else None  # SSIM, MS-SSIM, PSNR, MAE: on the GPU there
     C = cache.num_classes
@@ -488,9 +505,8 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     which, weights = evaluated_weights(state, ev.checkpoint)
     net, _, diff_p = sampling.load_ema_network(weights, device, source=out["checkpoint"], num_classes=cache.num_classes)
     interactive = sys.stderr.isatty() if progress is None else progress
-    evaluated = lambda n: evaluate_network(n, diff_p, params, cache, state, out["checkpoint"], val_rows, rows,  # noqa: E731
-                                           device, reference, interactive)
-    subjects, metrics = evaluated(net)
+    setting = EvalSetting(params, cache, state, out["checkpoint"], val_rows, rows, device, reference, interactive)
+    subjects, metrics = evaluate_network(net, diff_p, setting)
     metrics.update(eval_checkpoint=which, eval_checkpoint_step=weights["step"],
                    eval_checkpoint_samples_seen=weights["samples_seen"])
     if which == "best":  # the final weights beside them (same figures when the best point is the end)
@@ -499,7 +515,7 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
         else:
             final_net, _, _ = sampling.load_ema_network(state, device, source=out["checkpoint"],
                                                         num_classes=cache.num_classes)
-            final = evaluated(final_net)[1]
+            final = evaluate_network(final_net, diff_p, setting)[1]
         metrics.update({f"eval_final_{k[len('eval_'):]}": v for k, v in final.items()
                         if k.startswith("eval_") and k not in ("eval_checkpoint", "eval_checkpoint_step",
                                                                "eval_checkpoint_samples_seen")})

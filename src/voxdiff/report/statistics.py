@@ -241,33 +241,31 @@ def minimum_detectable_difference(sd: float, n: int, alpha: float = 0.05, power:
     """The smallest true mean difference (in sd's units) that a two-sided one-sample / paired t test on n values
     with this sd detects with the given power: solved exactly on the noncentral t distribution (the usual
     (t_{1-a/2} + t_{power}) sd / sqrt(n) is its approximation and is a few % low at n = 5). None below 2 values."""
-    from scipy.stats import nct, t
-
     if n < 2 or not sd > 0:
         return None if n < 2 else 0.0
-    df, crit = n - 1, t.ppf(1 - alpha / 2, n - 1)
-
-    def shortfall(delta: float) -> float:
-        ncp = delta * math.sqrt(n) / sd
-        return (nct.sf(crit, df, ncp) + nct.cdf(-crit, df, ncp)) - power
-
-    return _solve_power(shortfall, sd / math.sqrt(n), df, alpha, power)
+    return _t_test_mde(sd / math.sqrt(n), n - 1, alpha, power)
 
 
-def _solve_power(shortfall, scale: float, df: float, alpha: float, power: float) -> float:
-    """The difference at which `shortfall` (power reached minus wanted) is 0, growing the bracket from `scale`.
-    scipy's noncentral t returns NaN far out at few degrees of freedom (df ~ 1 with two runs a side): there the
-    textbook approximation (t_{1-a/2} + t_{power}) x scale stands in."""
+def _t_test_mde(se: float, df: float, alpha: float, power: float) -> float:
+    """The true difference a two-sided t test with this standard error and df rejects with the given power
+    (noncentral t, ncp = difference / se), growing the bracket from `se`. scipy's noncentral t returns NaN far
+    out at few degrees of freedom (df ~ 1 with two runs a side): there the textbook approximation
+    (t_{1-a/2} + t_{power}) x se stands in."""
     from scipy.optimize import brentq
-    from scipy.stats import t
+    from scipy.stats import nct, t
 
-    hi = scale
+    crit = t.ppf(1 - alpha / 2, df)
+
+    def shortfall(d: float) -> float:
+        return nct.sf(crit, df, d / se) + nct.cdf(-crit, df, d / se) - power
+
+    hi = se
     for _ in range(40):
         value = shortfall(hi)
         if not math.isfinite(value):
-            return float((t.ppf(1 - alpha / 2, df) + t.ppf(power, df)) * scale)
+            return float((crit + t.ppf(power, df)) * se)
         if value >= 0:
-            return float(brentq(shortfall, 1e-12 * scale, hi))
+            return float(brentq(shortfall, 1e-12 * se, hi))
         hi *= 2
     return math.inf
 
@@ -297,8 +295,6 @@ def paired_ratio(values: dict[str, float], reference: dict[str, float]) -> Paire
 def welch_mde(a: list[float], b: list[float], alpha: float = 0.05, power: float = 0.8) -> float | None:
     """Minimum detectable difference of Welch's test between two groups of these sizes and spreads, relative to
     b's mean: what an unpaired "no difference" can rule out (Welch-Satterthwaite df, noncentral t)."""
-    from scipy.stats import nct, t
-
     if min(len(a), len(b)) < 2:
         return None
     va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
@@ -306,12 +302,7 @@ def welch_mde(a: list[float], b: list[float], alpha: float = 0.05, power: float 
     if se == 0:
         return 0.0
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    crit = t.ppf(1 - alpha / 2, df)
-    def shortfall(d: float) -> float:
-        return nct.sf(crit, df, d / se) + nct.cdf(-crit, df, d / se) - power
-
-    delta = _solve_power(shortfall, se, df, alpha, power)
-    return float(delta / abs(np.mean(b)))
+    return _t_test_mde(se, df, alpha, power) / abs(float(np.mean(b)))
 
 
 def holm(pvalues: list[float | None]) -> list[float | None]:

@@ -394,12 +394,13 @@ def plateau_figures(steps: list[int], losses: list[float]) -> dict:
     or settled above its own best, is plateau_past_best 1 and never at a plateau), and the level."""
     from voxdiff import convergence
 
-    verdict = convergence.plateau_verdict(steps, losses)
+    change, level = convergence.plateau_change(steps, losses), convergence.plateau_level(steps, losses)
+    verdict = convergence.judge_plateau(change, level, losses)
     known = verdict is not None
-    return {"plateau_change": convergence.plateau_change(steps, losses),
+    return {"plateau_change": change,
             "plateau_reached": int(verdict == convergence.PLATEAU) if known else None,
             "plateau_past_best": int(verdict == convergence.PAST_BEST) if known else None,
-            "plateau_val_loss": convergence.plateau_level(steps, losses)}
+            "plateau_val_loss": level}
 
 
 def own_best_figures(val: list[dict]) -> dict:
