@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import REPO, SCRATCH
+from harness import REPO, SCRATCH, goal, info
 
 STUDY = REPO / "docs" / "study" / "runs"
 TIME_GOAL_MIN = 5.0
@@ -66,8 +66,6 @@ def demo_checkpoint(raw: dict) -> Path | None:
 
 def advise(ctx) -> dict:
     """voxdiff advise on the demo checkpoint: wall time (fresh process) and samples against the study's grid."""
-    from suite import goal, info
-
     work = SCRATCH / "advise"
     work.mkdir(parents=True, exist_ok=True)
     params = work / "params.yaml"

@@ -61,8 +61,8 @@ def train_phases(raw: dict, root: Path, phases, work: Path) -> dict[int, Path]:
     from voxdiff.data.cache import open_cache
     from voxdiff.params import validate
     from voxdiff.training import checkpoint
-    from voxdiff.training.distributed import init_runtime
-    from voxdiff.training.train import run_sample_counted_events
+    from voxdiff.runtime.distributed import init_runtime
+    from voxdiff.pipeline.train import run_sample_counted_events
     from voxdiff.training.trainer import Trainer
 
     params = validate(raw)
@@ -110,7 +110,7 @@ def study_runs(micro: int, design: str = "equal-steps"):
 
 def study_b_crit(runs, seed: int, phase: int) -> dict:
     """The study's local B_crit at the val loss its k = 1 run (this seed) had at `phase` samples."""
-    from voxdiff.convergence import bootstrap_critical_batch, fit_critical_batch
+    from voxdiff.analysis.convergence import bootstrap_critical_batch, fit_critical_batch
 
     ref = next(r for r in runs if r.params.get("train.accumulate_every") == "1" and r.params.get("seed") == str(seed))
     level = float(np.interp(phase, ref.val_samples, ref.val_loss))
@@ -143,7 +143,7 @@ def study_b_crit(runs, seed: int, phase: int) -> dict:
 
 def deepest_common(runs, fitted) -> dict | None:
     """The report's figure: B_crit at the deepest of compare's target levels (every run reaches it)."""
-    from voxdiff.convergence import target_levels
+    from voxdiff.analysis.convergence import target_levels
 
     start = min(float(r.val_loss[0]) for r in runs)
     reached = max(float(r.val_loss.min()) for r in runs)
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     if {r.run_id for r in samples_runs} == {r.run_id for r in runs}:
         samples_runs = runs  # one replicate set only (micro-batch 2): no second table
     extra = a.advise_args.split()
-    from voxdiff.training.distributed import pick_device
+    from voxdiff.runtime.distributed import pick_device
 
     rows = []
     stepped = sorted({int(r.params["train.accumulate_every"]) for r in runs if r.params.get("train.max_steps") == "1536"})

@@ -116,7 +116,7 @@ def with_overrides(raw: dict, overrides: dict) -> dict:
 class Bench:
     def __init__(self, args):
         from voxdiff.data.cache import open_cache
-        from voxdiff.training.distributed import configure_backends, init_runtime
+        from voxdiff.runtime.distributed import configure_backends, init_runtime
 
         self.smoke, self.size = args.smoke, SMOKE if args.smoke else FULL
         raw = yaml.safe_load((REPO / "params-gpu.yaml").read_text())
@@ -162,7 +162,7 @@ class Bench:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_mb(self) -> float:
-        from voxdiff.training.distributed import peak_memory_mb
+        from voxdiff.runtime.distributed import peak_memory_mb
 
         return peak_memory_mb(self.device)
 
@@ -225,7 +225,7 @@ def _distance(a: dict, c: dict) -> float:
 
 def phase_exactness(b: Bench) -> dict:
     """2 x 1 against 1 x 2 (and the control 1 x 1) from the same initial weights over the same samples."""
-    from voxdiff.training.distributed import Runtime, configure_backends
+    from voxdiff.runtime.distributed import Runtime, configure_backends
 
     out = {}
     steps = b.size["exact_steps"]

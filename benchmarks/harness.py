@@ -11,6 +11,7 @@ import copy
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -156,7 +157,7 @@ class Ctx:
 
     def __init__(self, raw: dict, device: str, precision: str, compile_: bool, profile: dict):
         from voxdiff.data.cache import open_cache
-        from voxdiff.training.distributed import init_runtime
+        from voxdiff.runtime.distributed import init_runtime
 
         self.raw = with_overrides(raw, {"train.device": device, "train.precision": precision})
         self.base = validated(self.raw)
@@ -251,7 +252,7 @@ def machine(device) -> dict:
            "python": platform.python_version(), "torch": torch.__version__, "monai": monai.__version__,
            "mlflow": mlflow.__version__, "os": platform.platform(), "device": str(device)}
     if device.type == "cpu":  # bf16 autocast runs 1.6-4.5x faster where the CPU has it (RESULTS.md, speed)
-        from voxdiff.training.distributed import cpu_has_native_bf16
+        from voxdiff.runtime.distributed import cpu_has_native_bf16
 
         out["native_bf16"] = cpu_has_native_bf16()
     if device.type == "cuda":
@@ -278,7 +279,7 @@ def run_worker(job: dict, timeout: float = 900) -> dict:
 
 def peak_rss_mb() -> float:
     """Peak RSS of this process image (VmHWM, not the execve-inherited ru_maxrss)."""
-    from voxdiff.training.distributed import peak_memory_mb
+    from voxdiff.runtime.distributed import peak_memory_mb
 
     return peak_memory_mb(None)
 
@@ -290,7 +291,7 @@ def worker_main(job: dict) -> None:
     import psutil
     import torch
     from voxdiff.data.cache import open_cache
-    from voxdiff.training.distributed import init_runtime
+    from voxdiff.runtime.distributed import init_runtime
     from voxdiff.training.trainer import Trainer  # every import before the baseline is taken
 
     rt = init_runtime(job["device"], job["precision"])
@@ -319,3 +320,17 @@ def worker_main(job: dict) -> None:
         result["conv"] = conv_path(trainer.net, params.train.batch_size, trainer.shape, 1 + trainer.num_classes,
                                    rt.device, faults=False)
     print(json.dumps(result))
+
+
+# --- a benchmark's figures: a goal (pass/fail) or an info line (suite.py and advise_bench.py) -------------
+def goal(name: str, value, op: str, target: float, unit: str = "x", why: str = "") -> dict:
+    ok = None
+    if value is not None and math.isfinite(value):
+        ok = {">=": value >= target, "<=": value <= target, "<": value < target}[op]
+    shown = f"{op} {target:g}{({'%': ' %', 'x': '×'}).get(unit, '')}"
+    return {"name": name, "value": value, "unit": unit, "goal": shown, "met": ok, "why": "" if ok else why}
+
+
+def info(name: str, value, unit: str = "x", note: str = "") -> dict:
+    """A figure the issue asks for without a pass/fail goal."""
+    return {"name": name, "value": value, "unit": unit, "goal": "(info)", "met": None, "why": note}

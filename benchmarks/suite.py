@@ -15,21 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness import SCRATCH, conv_path, data_root, environ, med, run_worker, step_budget, stopwatch, timed, with_overrides
+from advise_bench import advise
+from harness import (SCRATCH, conv_path, data_root, environ, goal, info, med, run_worker, step_budget, stopwatch,
+                     timed, with_overrides)
 from medddpm import MedDDPMLoop, NiftiPairs, train_pairs
-
-
-def goal(name: str, value, op: str, target: float, unit: str = "x", why: str = "") -> dict:
-    ok = None
-    if value is not None and math.isfinite(value):
-        ok = {">=": value >= target, "<=": value <= target, "<": value < target}[op]
-    shown = f"{op} {target:g}{({'%': ' %', 'x': '×'}).get(unit, '')}"
-    return {"name": name, "value": value, "unit": unit, "goal": shown, "met": ok, "why": "" if ok else why}
-
-
-def info(name: str, value, unit: str = "x", note: str = "") -> dict:
-    """A figure the issue asks for without a pass/fail goal."""
-    return {"name": name, "value": value, "unit": unit, "goal": "(info)", "met": None, "why": note}
 
 
 def worker_job(ctx, raw: dict, root: Path, overrides: dict, steps: int) -> dict:
@@ -338,7 +327,7 @@ def gns_probe(ctx) -> dict:
 # --- 6 -------------------------------------------------------------------------------------------
 def sampling(ctx) -> dict:
     """DDIM (ddim_steps) against the full ancestral sampler: time per volume and SSIM to the real volume."""
-    from voxdiff.evaluation import evaluate
+    from voxdiff.pipeline import evaluate
     from voxdiff.diffusion import sampling as smp
 
     prof = ctx.profile
@@ -493,7 +482,7 @@ def speed(ctx) -> dict:
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from voxdiff.training.distributed import Runtime, auto_precision
+    from voxdiff.runtime.distributed import Runtime, auto_precision
     from voxdiff.diffusion.model import build_network
 
     t = ctx.base.train
@@ -567,7 +556,7 @@ def conv_batch1(ctx) -> dict:
     """fp32 training at micro-batch 1 with batch-1 convolutions sent to oneDNN (diffusion/cpu_conv.py) against
     PyTorch's own pick (slow_conv3d), interleaved in one process; micro-batch 2 beside them for scale."""
     from voxdiff.diffusion.cpu_conv import BatchOneConv3d
-    from voxdiff.training.distributed import Runtime
+    from voxdiff.runtime.distributed import Runtime
 
     if ctx.device.type != "cpu":
         return {"goals": [], "rows": [], "notes": ["CPU only: CUDA convolutions do not take this path."]}
@@ -613,7 +602,7 @@ def study_step(ctx) -> dict:
     """The study's training step (med-ddpm's regime: epsilon, L1, no clipping, micro-batch 1 x 1) eager against
     torch.compile and channels_last_3d, interleaved in one process, in the precision this CPU resolves and in fp32;
     and whether each path's losses match eager's over the same steps (same init, data and draws)."""
-    from voxdiff.training.distributed import Runtime, auto_precision
+    from voxdiff.runtime.distributed import Runtime, auto_precision
 
     regime = {"diffusion.prediction": "epsilon", "diffusion.loss": "l1", "train.grad_clip": 0.0,
               "train.gns_probe_samples": 0, "train.gns_buckets_every_samples": 0}
@@ -789,8 +778,5 @@ BENCHMARKS = {"memory": memory, "accumulation": accumulation, "data": data, "tra
               "gns_probe": gns_probe,
               "sampling": sampling, "growth": growth, "medddpm": medddpm, "speed": speed,
               "phema": phema, "conv_batch1": conv_batch1, "study_step": study_step,
-              "segmenter": segmenter}
-
-from advise_bench import advise  # noqa: E402  (benchmark 11, in its own file: voxdiff advise against the grid)
-
-BENCHMARKS["advise"] = advise
+              "segmenter": segmenter,
+              "advise": advise}  # benchmark 11, in its own file (advise_bench.py): voxdiff advise against the grid

@@ -57,9 +57,9 @@ def set_key(raw: dict, dotted: str, value) -> None:
 def run_one(name: str, overrides: dict, samples: int, base_raw: dict) -> dict:
     import yaml
 
-    from voxdiff.evaluation.evaluate import run_evaluate
+    from voxdiff.pipeline.evaluate import run_evaluate
     from voxdiff.params import validate
-    from voxdiff.training.train import run_training
+    from voxdiff.pipeline.train import run_training
 
     raw = copy.deepcopy(base_raw)
     for k, v in {**overrides, "train.max_samples": samples, "train.max_steps": 0}.items():

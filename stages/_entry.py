@@ -38,8 +38,8 @@ def _ensure_dependencies() -> None:
 
 
 def run(stage: str) -> None:
-    if stage == "train":  # first: a SIGTERM while torch and MONAI load is noted, not fatal (voxdiff.stopping)
-        from voxdiff import stopping
+    if stage == "train":  # first: a SIGTERM while torch and MONAI load is noted, not fatal (voxdiff.runtime.stopping)
+        from voxdiff.runtime import stopping
 
         stopping.defer()
     _ensure_dependencies()

@@ -62,7 +62,7 @@ def make_project(root, overrides: dict, c: float = C, run_id: str = "", warm_ste
     from voxdiff.data.cache import open_cache
     from voxdiff.params import load
     from voxdiff.training import checkpoint
-    from voxdiff.training.distributed import init_runtime
+    from voxdiff.runtime.distributed import init_runtime
 
     write_tiny_cache(root)
     raw = raw_params(**{**TINY, **overrides})
@@ -117,7 +117,7 @@ def expected_steps(batch: float, gain: float, b_noise: float = B_NOISE, f: float
 def test_quadratic_truth_from_the_exact_recursion():
     """The design's B_crit without any training: the exact expected SGD recursion's steps to 20-60 %
     lower loss, fitted with convergence.fit_critical_batch, give 1.04-1.08 x B_noise."""
-    from voxdiff.convergence import fit_critical_batch
+    from voxdiff.analysis.convergence import fit_critical_batch
 
     for gain in (0.2, 0.4, 0.6):
         b = [1, 2, 4, 8]
@@ -134,7 +134,7 @@ def test_branch_fit_recovers_the_known_critical_batch(quadratic):
     a, data = quadratic
     gain = 1 - (data["branches"]["target_loss"] - 1) / (data["branches"]["start_loss"] - 1)  # loss = Delta + 1
     recursion = [expected_steps(b, gain) for b in (1, 2, 4, 8)]
-    from voxdiff.convergence import fit_critical_batch
+    from voxdiff.analysis.convergence import fit_critical_batch
 
     exact = fit_critical_batch([1, 2, 4, 8], recursion).b_crit
     assert data["b_crit_branch"] == pytest.approx(B_NOISE, rel=0.2), data["branches"]
@@ -608,7 +608,7 @@ def _tiny_checkpoint(root, run_id: str = ""):
     from voxdiff.data.cache import open_cache
     from voxdiff.params import load
     from voxdiff.training import checkpoint
-    from voxdiff.training.distributed import init_runtime
+    from voxdiff.runtime.distributed import init_runtime
 
     write_tiny_cache(root)
     raw = raw_params(**{**TINY, **SMALL})
@@ -713,7 +713,7 @@ def test_advise_sets_the_backends_as_training_does(tmp_path, monkeypatch):
     function is called (a no-op on the CPU) and what it was given recorded; measuring is stopped at its
     start, which is all this test needs."""
     from voxdiff.advise import command
-    from voxdiff.training import distributed
+    from voxdiff.runtime import distributed
 
     make_project(tmp_path, {"train.tf32": False, "train.deterministic": True})
     calls, real = [], distributed.configure_backends

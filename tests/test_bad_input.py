@@ -15,7 +15,7 @@ from datagen import leftovers, phantom, ras_affine, user_params, write_dataset, 
 from voxdiff.data import nifti
 from voxdiff.data import prepare
 from voxdiff.data import preprocess
-from voxdiff.errors import DataError, ParamsError
+from voxdiff.runtime.errors import DataError, ParamsError
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ RISING = {"train.max_samples": 128, "train.batch_size": 2, "train.accumulate_eve
 
 
 def _train(root, **extra):
-    from voxdiff.training.train import run_training
+    from voxdiff.pipeline.train import run_training
 
     overrides = {**RISING, **extra}
     (root / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**TINY, **overrides}), sort_keys=False))
@@ -73,7 +73,7 @@ def test_the_best_ema_is_kept_exactly_where_the_lowest_window_ends(rising):
 
 
 def test_evaluate_reads_the_best_weights_and_reports_the_final_beside_them(rising, monkeypatch):
-    from voxdiff.evaluation.evaluate import run_evaluate
+    from voxdiff.pipeline.evaluate import run_evaluate
 
     root, params, summary = rising
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
@@ -140,7 +140,7 @@ def test_best_weights_take_a_copy_only_on_a_new_lowest_window():
 def test_a_run_still_at_its_lowest_at_its_end_is_evaluated_at_its_end():
     """A falling run's best window is its last: the kept copy lies two validations before the end, and the
     final weights, at least as good, are read as its best."""
-    from voxdiff.evaluation.evaluate import evaluated_weights, still_at_best
+    from voxdiff.pipeline.evaluate import evaluated_weights, still_at_best
 
     history = [{"step": s, "val_loss": 1.0 / s} for s in range(1, 11)]
     state = {"step": 10, "samples_seen": 20, "ema": "final", "history": history,

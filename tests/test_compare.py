@@ -14,7 +14,7 @@ from mlflow.entities import Metric, Param
 
 from voxdiff import params as params_mod
 from voxdiff.report.compare import compare_command, compare_runs
-from voxdiff.errors import VoxdiffError
+from voxdiff.runtime.errors import VoxdiffError
 from voxdiff.tracking.uri import resolve_tracking_uri
 
 SAMPLES, VAL_EVERY_SAMPLES, MICRO = 256, 8, 1
@@ -234,7 +234,7 @@ def test_resolve_tracking_uri_rule(tmp_path, monkeypatch):
 def test_welch_and_holm_replace_two_standard_errors():
     """3 seeds a side, difference 0.2, spreads 0.1: the old 2 x pooled-SE rule (0.163) called this
     clearly different; Welch's t-test (df 4) gives p ~ 0.07, within seed noise."""
-    from voxdiff.report.statistics import compare_means, holm
+    from voxdiff.analysis.statistics import compare_means, holm
 
     kind, diff, p = compare_means([1.2, 1.3, 1.4], [1.0, 1.1, 1.2])
     assert kind == "tested" and diff == pytest.approx(0.2) and 0.05 < p < 0.1
@@ -502,7 +502,7 @@ def test_a_different_seed_lr_or_data_is_not_a_rerun():
     import numpy as np
 
     from voxdiff.report.loading import RunData
-    from voxdiff.report.statistics import drop_reruns, reruns_note
+    from voxdiff.report.groups import drop_reruns, reruns_note
 
     def run(rid, start, params=None, tags=None):
         return RunData(rid, {"seed": "0", "train.lr": "0.001", "train.phema_sigma_rels": "[0.05]", **(params or {})},
@@ -525,7 +525,7 @@ def test_rerun_key_ignores_exactly_what_the_trainer_leaves_out_of_its_fingerprin
     import numpy as np
 
     from voxdiff.report.loading import RunData
-    from voxdiff.report.statistics import training_configuration
+    from voxdiff.report.groups import training_configuration
     from voxdiff.training.trainer import MEASUREMENT_KEYS, OPERATIONAL_KEYS
 
     def config(params):
@@ -542,7 +542,7 @@ def test_plateau_verdict_per_run_and_per_setting(tmp_path):
     """Curves floor + 0.9 exp(-samples / (tau k)): with tau = 10 k = 1 has flattened over the last quarter
     of its 256 samples (its exponential term is below 1e-8), with tau = 40 k = 2 still falls ~23 %. Each
     run's change is a least-squares line through its validations in the last quarter of its steps
-    (computed here with numpy, independently of voxdiff.convergence), its verdict "at plateau" above -2 %."""
+    (computed here with numpy, independently of voxdiff.analysis.convergence), its verdict "at plateau" above -2 %."""
     import numpy as np
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -668,7 +668,7 @@ def test_confounders_are_training_differences_not_measurement_keys_added_later_o
     import numpy as np
 
     from voxdiff.report.loading import RunData
-    from voxdiff.report.statistics import confounders, training_configuration
+    from voxdiff.report.groups import confounders, training_configuration
 
     def run(k, steps, **params):
         base = {"seed": "0", "train.lr": "0.001", "train.accumulate_every": str(k)}
@@ -776,7 +776,7 @@ def test_each_setting_at_its_own_best_is_the_lowest_window_and_its_cost():
 
     from voxdiff.report.loading import RunData
     from voxdiff.report.rendering import best_table, mean_std
-    from voxdiff.report.statistics import summarize_group
+    from voxdiff.report.groups import summarize_group
 
     i = np.arange(48.0)
     u_shape = lambda f: f + 0.02 * ((i - 30) / 30.0) ** 2  # noqa: E731
@@ -822,15 +822,15 @@ def test_each_setting_at_its_own_best_is_the_lowest_window_and_its_cost():
 def test_each_runs_plateau_is_worked_out_once(tmp_path, monkeypatch):
     """The runs table, the group summaries and the critical-batch section read one plateau change and one
     plateau level per run (RunData), not their own recomputations; the report stays byte for byte."""
-    from voxdiff import convergence
-    from voxdiff.report import rendering, statistics
+    from voxdiff.analysis import convergence
+    from voxdiff.report import groups, rendering
 
     calls = {"plateau_change": 0, "plateau_level": 0}
     for name in calls:
         real = getattr(convergence, name)
         counted = lambda *a, _real=real, _name=name, **k: (  # noqa: E731
             calls.__setitem__(_name, calls[_name] + 1), _real(*a, **k))[1]
-        for module in (convergence, rendering, statistics):  # wherever the name is imported
+        for module in (convergence, rendering, groups):  # wherever the name is imported
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, counted)
     out = tmp_path / "report.md"
@@ -849,7 +849,7 @@ def test_every_measurement_family_key_is_in_the_one_list():
     the two would disagree on what a re-run is (phema_snapshots and phema_sigma_rels forced a retrain while
     compare called them measurement-only). NOT_TRAINING_KEYS is that list, not a copy of it."""
     from voxdiff.params import MEASUREMENT_KEYS, OPERATIONAL_KEYS, SCHEMA
-    from voxdiff.report.statistics import NOT_TRAINING_KEYS
+    from voxdiff.report.groups import NOT_TRAINING_KEYS
 
     family = {k for k in SCHEMA["train"] if k.startswith(("gns_", "phema_"))}
     assert family and family <= set(MEASUREMENT_KEYS), sorted(family - set(MEASUREMENT_KEYS))

@@ -7,7 +7,7 @@ from mlflow import MlflowClient
 
 from conftest import make_params
 from voxdiff.report.compare import compare_runs
-from voxdiff.training.train import run_training
+from voxdiff.pipeline.train import run_training
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""voxdiff.convergence against problems whose answer is known: the plateau criterion and the measured
+"""voxdiff.analysis.convergence against problems whose answer is known: the plateau criterion and the measured
 critical batch (McCandlish et al. 2018)."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from voxdiff.convergence import (BEST_WINDOW, PLATEAU_THRESHOLD, best_point, bootstrap_critical_batch,
+from voxdiff.analysis.convergence import (BEST_WINDOW, PLATEAU_THRESHOLD, best_point, bootstrap_critical_batch,
                                  fit_critical_batch, past_its_lowest, plateau_change, plateau_level, reached_plateau,
                                  target_levels)
 
@@ -183,7 +183,7 @@ def test_best_point_finds_a_known_lowest_and_is_less_biased_than_the_lowest_vali
 def test_training_summary_logs_early_stoppings_point_from_its_validation_history():
     """train's own_best_* figures are best_point of the run's validations, at the step and samples of
     the window's centre; a run still falling at its end reads at_end 1; too few validations: None."""
-    from voxdiff.training.train import own_best_figures
+    from voxdiff.pipeline.train import own_best_figures
 
     i = np.arange(40)
     u = 0.03 + 0.02 * ((i - 25) / 25.0) ** 2
@@ -200,7 +200,7 @@ def test_training_summary_logs_early_stoppings_point_from_its_validation_history
 def test_a_run_past_its_best_is_never_at_a_plateau():
     """The eps-long runs over-fitted, rose 20-43 % above their best and flattened there: the last quarter alone
     (change within 2 %) called them 'at plateau'. The verdict reads the level against the run's own best too."""
-    from voxdiff.convergence import FALLING, PAST_BEST, PLATEAU, plateau_change, plateau_verdict, reached_plateau
+    from voxdiff.analysis.convergence import FALLING, PAST_BEST, PLATEAU, plateau_change, plateau_verdict, reached_plateau
 
     steps = np.arange(1, 41) * 64
     dip = np.r_[np.linspace(1.0, 0.5, 15), np.linspace(0.5, 0.62, 10), np.full(15, 0.62)]  # over-fit, then flat

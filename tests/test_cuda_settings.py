@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from conftest import REPO, make_params, raw_params
-from voxdiff.errors import ParamsError
+from voxdiff.runtime.errors import ParamsError
 from voxdiff.params import validate
-from voxdiff.training import distributed
+from voxdiff.runtime import distributed
 
 NEW_KEYS = ("tf32", "compile", "deterministic")
 
@@ -102,7 +102,7 @@ def test_run_identity_holds_tf32_and_deterministic_but_not_compile(tiny_root):
     """tf32 and deterministic change a CUDA run's numbers (and what it can claim): a checkpoint made with
     one value does not stand for the other. torch.compile is the same maths: operational, like the device."""
     from voxdiff.data.cache import open_cache
-    from voxdiff.report.statistics import NOT_TRAINING_KEYS
+    from voxdiff.report.groups import NOT_TRAINING_KEYS
     from voxdiff.training.trainer import OPERATIONAL_KEYS, Trainer
 
     def fingerprint(**train):
@@ -120,7 +120,7 @@ def test_run_identity_holds_tf32_and_deterministic_but_not_compile(tiny_root):
 def test_compiled_training_follows_the_eager_trajectory(tiny_root, monkeypatch):
     """train.compile: true trains through torch.compile (dynamo's eager backend here: see the module
     docstring) with the same losses as eager, and logs the compile's seconds."""
-    from voxdiff.training.train import run_training
+    from voxdiff.pipeline.train import run_training
 
     calls = []
     real = torch.compile
@@ -141,7 +141,7 @@ def test_compiled_training_follows_the_eager_trajectory(tiny_root, monkeypatch):
 
 
 def _compiled_runs(cfg, tiny_root, calls, eager, eager_curve):
-    from voxdiff.training.train import run_training
+    from voxdiff.pipeline.train import run_training
 
     compiled = run_training(make_params({**cfg, "train.compile": True}), tiny_root, progress=False)
     assert calls == ["DiffusionModelUNet"]
@@ -216,7 +216,7 @@ def test_nvidia_ml_py_is_locked_declared_and_harmless_without_a_gpu():
 
 
 def test_exact_fp32_block_for_the_metrics_restores_the_training_switches():
-    from voxdiff.evaluation.evaluate import ieee_fp32
+    from voxdiff.pipeline.evaluate import ieee_fp32
 
     before = _backend_state()
     try:
@@ -238,7 +238,7 @@ def test_metrics_on_a_device_agree_with_the_cpu_path():
     (the CPU default) nothing changed."""
     from scipy.ndimage import gaussian_filter
 
-    from voxdiff.evaluation.evaluate import fidelity, BrainMSSSIM, BrainSSIM
+    from voxdiff.pipeline.evaluate import fidelity, BrainMSSSIM, BrainSSIM
 
     rng = np.random.default_rng(0)
     real = np.clip(3 * gaussian_filter(rng.standard_normal((32, 32, 32)), 2), -1, 1).astype(np.float32)

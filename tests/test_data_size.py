@@ -11,7 +11,7 @@ from conftest import write_tiny_cache
 
 def test_training_subsets_are_nested_seeded_and_leave_validation_alone(tmp_path):
     from voxdiff.data.cache import open_cache
-    from voxdiff.errors import DataError
+    from voxdiff.runtime.errors import DataError
 
     write_tiny_cache(tmp_path, n_train=12, n_val=3)
     cache = open_cache(tmp_path / "data" / "processed")
@@ -52,7 +52,7 @@ def test_a_run_on_a_subset_draws_only_from_it(tiny_root):
 
     from conftest import make_params
     from voxdiff.data.cache import open_cache
-    from voxdiff.training.distributed import init_runtime
+    from voxdiff.runtime.distributed import init_runtime
     from voxdiff.training.trainer import Trainer
 
     write_tiny_cache(tiny_root, n_train=8, n_val=2)

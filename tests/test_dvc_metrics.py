@@ -44,7 +44,7 @@ def test_voxdiff_metrics_reads_the_detail_files(tmp_path):
     assert "best val loss" in res.output and "0.0339" in res.output and "optimizer steps" in res.output
     assert "floors: noise 0.01, tissue-mean 0.77" in res.output and "(not measurable)" in res.output
     # early stopping's point, its window named from convergence.BEST_WINDOW
-    from voxdiff.convergence import BEST_WINDOW
+    from voxdiff.analysis.convergence import BEST_WINDOW
     lines = res.output.splitlines()
     best = next(i for i, line in enumerate(lines) if f"lowest {BEST_WINDOW}-validation mean" in line)
     assert lines[best].endswith("0.0335") and lines[best + 1].split() == ["at", "optimizer", "step", "704"]

@@ -25,7 +25,7 @@ E2E = {**TINY, "data.label_values": [0, 1, 2, 3], "data.subjects": 4, "data.synt
 # One file whose edit must not retrain (report code) and one that reruns the train stage (training code).
 UNRELATED_TO_TRAINING = "src/voxdiff/report/compare.py"
 TRAINING_CODE = "src/voxdiff/training/trainer.py"
-RECORDING_CODE = "src/voxdiff/tracking/runs.py"  # a train dep outside the code hash (codehash.RECORDING_ONLY)
+RECORDING_CODE = "src/voxdiff/tracking/runs.py"  # a train dep outside the code hash (a floor above the loop: codehash.FLOORS)
 
 
 def sh(repo: Path, *cmd: str, check: bool = True, env=None) -> subprocess.CompletedProcess:

@@ -52,7 +52,7 @@ def trained(tmp_path_factory):
     _one_thread()
     with pytest.MonkeyPatch.context() as mp:
         _env(mp, root)
-        from voxdiff.training.train import run_training
+        from voxdiff.pipeline.train import run_training
 
         summary = run_training(params, root, progress=False)
     return root, params, summary
@@ -86,7 +86,7 @@ def untrained_copy(root: Path, params, dest: Path) -> Path:
 
 def test_evaluate_writes_outputs_and_separates_trained_from_untrained(project, tmp_path):
     from voxdiff.data.cache import open_cache
-    from voxdiff.evaluation.evaluate import run_evaluate
+    from voxdiff.pipeline.evaluate import run_evaluate
 
     root, params, summary = project
     m = run_evaluate(params, root, progress=False)
@@ -158,7 +158,7 @@ def test_floors_score_themselves_at_their_floor(project):
     """The two reference predictors, fed to the metric as if they were samples, score exactly their own
     floor; noise scores ~0 SSIM (windows centred in the brain only), the tissue-mean image far more."""
     from voxdiff.data.cache import open_cache
-    from voxdiff.evaluation.evaluate import (fidelity, fidelity_floors, noise_image, BrainSSIM, tissue_mean_image,
+    from voxdiff.pipeline.evaluate import (fidelity, fidelity_floors, noise_image, BrainSSIM, tissue_mean_image,
                                              tissue_means)
 
     root, params, _ = project
@@ -191,7 +191,7 @@ def test_noise_is_not_flattered_by_the_background():
     -1 background, as the cache stores it."""
     from monai.metrics import SSIMMetric
 
-    from voxdiff.evaluation.evaluate import BrainSSIM, noise_image
+    from voxdiff.pipeline.evaluate import BrainSSIM, noise_image
 
     z, y, x = np.mgrid[:32, :32, :32]
     brain = (z - 16) ** 2 + (y - 16) ** 2 + (x - 16) ** 2 < 10 ** 2
@@ -206,7 +206,7 @@ def test_noise_is_not_flattered_by_the_background():
 
 
 def test_contrast_order_needs_a_real_gap():
-    from voxdiff.evaluation.evaluate import contrast_order, contrast_ratio
+    from voxdiff.pipeline.evaluate import contrast_order, contrast_ratio
 
     real = {1: 0.40, 2: 0.65, 3: 0.84}  # CSF < GM < WM (MNI152 T1)
     assert contrast_order(real, {1: 0.1, 2: 0.5, 3: 0.7}) and contrast_ratio(real, real) == pytest.approx(1)
@@ -280,7 +280,7 @@ def test_samplers_recover_the_image_with_a_perfect_denoiser():
 def test_incompatible_checkpoints_are_refused_in_one_line(project):
     from voxdiff.training import checkpoint
     from voxdiff.diffusion import sampling
-    from voxdiff.errors import VoxdiffError
+    from voxdiff.runtime.errors import VoxdiffError
 
     root, _, _ = project
     state = checkpoint.load(root / "models" / "checkpoint.pt")
@@ -303,7 +303,7 @@ def test_msssim_fits_small_grids():
     MONAI's MultiScaleSSIMMetric of the same configuration (same scales, window and weights)."""
     from monai.metrics import MultiScaleSSIMMetric
 
-    from voxdiff.evaluation.evaluate import BrainMSSSIM, msssim_config
+    from voxdiff.pipeline.evaluate import BrainMSSSIM, msssim_config
 
     assert msssim_config((32, 32, 32))[:2] == (3, 7) and msssim_config((16, 16, 16))[:2] == (2, 7)
     assert msssim_config((128, 128, 128))[:2] == (5, 7) and sum(msssim_config((32,) * 3)[2]) == pytest.approx(1)
@@ -336,7 +336,7 @@ def test_diversity_is_not_flattered_by_the_shared_background(tmp_path):
     from monai.metrics import MultiScaleSSIMMetric
 
     from voxdiff.data.cache import open_cache
-    from voxdiff.evaluation.evaluate import measure, msssim_config, noise_image
+    from voxdiff.pipeline.evaluate import measure, msssim_config, noise_image
 
     shape = (32, 32, 32)
     cache = open_cache(write_tiny_cache(tmp_path, shape=shape))
@@ -389,7 +389,7 @@ def test_diversity_reference_of_the_builtin_data_lies_between_the_extremes(built
     import dataclasses
 
     from voxdiff.data.cache import ProcessedCache
-    from voxdiff.evaluation.evaluate import (builtin_subject, diversity_reference, BrainMSSSIM, noise_image,
+    from voxdiff.pipeline.evaluate import (builtin_subject, diversity_reference, BrainMSSSIM, noise_image,
                                              pairwise_msssim)
 
     params, cache = builtin_cache
@@ -539,8 +539,8 @@ def test_sample_cli_bad_inputs_exit_2_with_one_line(project, tmp_path):
 
 
 def test_evaluate_bad_inputs_give_one_line_errors(project, tmp_path):
-    from voxdiff.evaluation.evaluate import run_evaluate
-    from voxdiff.errors import VoxdiffError
+    from voxdiff.pipeline.evaluate import run_evaluate
+    from voxdiff.runtime.errors import VoxdiffError
 
     root, params, _ = project
 

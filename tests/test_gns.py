@@ -482,7 +482,7 @@ def probe_trainer(tiny_root, monkeypatch, c: float, seed: int, overrides: dict |
     from conftest import make_params
     from voxdiff.data.cache import open_cache
     from voxdiff.training import trainer as trainer_mod
-    from voxdiff.training.distributed import init_runtime
+    from voxdiff.runtime.distributed import init_runtime
 
     monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes, **kw: ConstantPrediction((16, 16, 16), c))
     cfg = {"seed": seed, "train.max_steps": 3, "train.max_samples": 0, "diffusion.prediction": "epsilon",

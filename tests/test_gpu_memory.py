@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import REPO, make_params
-from voxdiff.errors import VoxdiffError
+from voxdiff.runtime.errors import VoxdiffError
 from voxdiff.params import load
-from voxdiff.training import plan
+from voxdiff.pipeline import plan
 
 
 # --- item 9: GPU memory ---------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_training_on_cuda_is_refused_before_any_weight_when_the_step_cannot_fit(
     here) and refuses the configured micro-batch in one line; training calls it before building the trainer."""
     import inspect
 
-    from voxdiff.training import train
+    from voxdiff.pipeline import train
 
     p = make_params({"preprocess.shape": [64, 64, 64], "train.batch_size": 16})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10**9, 80 * 10**9))

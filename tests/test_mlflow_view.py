@@ -42,7 +42,7 @@ def test_val_axis_metrics_only_on_validation_steps():
 def test_training_logs_the_view_axes_and_publishes_the_view(tiny_root):
     """val_samples_seen / val_wall_time at exactly the val_loss steps (what MLflow's grouped charts need),
     and the experiment's standing view, whose filter finds the run."""
-    from voxdiff.training.train import run_training
+    from voxdiff.pipeline.train import run_training
 
     summary = run_training(make_params({"train.batch_size": 1, "train.accumulate_every": 2,
                                         "mlflow.system_metrics": False}), tiny_root, progress=False)

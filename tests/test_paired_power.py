@@ -13,7 +13,7 @@ def test_mde_has_the_stated_power_by_simulation():
     of it, far less (negative control). Monte Carlo with 20,000 replicates: binomial sd 0.003."""
     from scipy.stats import ttest_1samp
 
-    from voxdiff.report.statistics import minimum_detectable_difference
+    from voxdiff.analysis.statistics import minimum_detectable_difference
 
     rng = np.random.default_rng(0)
     n, sd = 5, 0.03
@@ -30,7 +30,7 @@ def test_mde_has_the_stated_power_by_simulation():
 
 
 def test_paired_ratio_recovers_a_known_effect_and_beats_welch_under_seed_spread():
-    from voxdiff.report.statistics import compare_means, paired_ratio, welch_mde
+    from voxdiff.analysis.statistics import compare_means, paired_ratio, welch_mde
 
     rng = np.random.default_rng(1)
     seeds = [str(s) for s in range(5)]

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from conftest import REPO, raw_params
-from voxdiff.errors import ParamsError
+from voxdiff.runtime.errors import ParamsError
 from voxdiff.params import SCHEMA, flatten, load, validate
 
 
@@ -112,7 +112,7 @@ def test_help_explains_each_command():
 def test_auto_precision_on_cpu_follows_native_bf16(monkeypatch, native, expected):
     """auto = bf16 only on CPUs whose bf16 is native (AVX512-BF16/AMX: 1.7-6.7x faster here), else fp32;
     an explicit choice always wins."""
-    from voxdiff.training import distributed
+    from voxdiff.runtime import distributed
 
     monkeypatch.setattr(distributed, "cpu_has_native_bf16", lambda: native)
     cpu = torch.device("cpu")
@@ -124,7 +124,7 @@ def test_auto_precision_on_cpu_follows_native_bf16(monkeypatch, native, expected
 
 @pytest.mark.parametrize("bf16, expected", [(True, torch.bfloat16), (False, torch.float16)])
 def test_auto_precision_on_gpus_without_bf16_falls_back_to_fp16(monkeypatch, bf16, expected):
-    from voxdiff.training import distributed
+    from voxdiff.runtime import distributed
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
     assert distributed.pick_precision("auto", torch.device("cuda:0")) is expected
@@ -132,7 +132,7 @@ def test_auto_precision_on_gpus_without_bf16_falls_back_to_fp16(monkeypatch, bf1
 
 def test_this_machine_reports_what_auto_picks():
     """The probe itself runs here (no monkeypatch): the answer is one of the two, with its reason."""
-    from voxdiff.training.distributed import auto_precision, cpu_has_native_bf16
+    from voxdiff.runtime.distributed import auto_precision, cpu_has_native_bf16
 
     dtype, why = auto_precision(torch.device("cpu"))
     assert (dtype is torch.bfloat16) == cpu_has_native_bf16() and why

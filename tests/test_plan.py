@@ -1,4 +1,4 @@
-"""`voxdiff train --plan` and the disk check every training runs first (training/plan.py)."""
+"""`voxdiff train --plan` and the disk check every training runs first (pipeline/plan.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import yaml
 from click.testing import CliRunner
 
 from conftest import REPO, TINY, make_params, raw_params
-from voxdiff.errors import VoxdiffError
+from voxdiff.runtime.errors import VoxdiffError
 from voxdiff.params import load
-from voxdiff.training import plan, posthoc_ema
+from voxdiff.pipeline import plan
+from voxdiff.training import posthoc_ema
 
 # 10 samples at effective batch 2 x 2 = 4: ceil(10 / 4) = 3 steps, the last a window of 2.
 CASE = {"train.max_samples": 10, "train.batch_size": 2, "train.accumulate_every": 2}
@@ -66,7 +67,7 @@ def test_plan_on_the_tiny_config_prints_the_fields_with_the_right_arithmetic(tin
 
 
 def test_checkpoint_estimate_matches_a_real_training(tiny_root):
-    from voxdiff.training.train import run_training
+    from voxdiff.pipeline.train import run_training
 
     p = make_params(CASE)
     run_training(p, tiny_root, progress=False)
@@ -80,7 +81,7 @@ def test_checkpoint_estimate_matches_a_real_training(tiny_root):
 
 
 def test_training_is_refused_when_the_disk_cannot_hold_it(tiny_root, monkeypatch):
-    from voxdiff.training.train import run_training
+    from voxdiff.pipeline.train import run_training
 
     fake_free(monkeypatch, 999)
     with pytest.raises(VoxdiffError) as e:
@@ -165,9 +166,9 @@ def test_meta_device_sizes_equal_a_real_networks():
 
 def test_the_plan_is_run_by_training_but_not_part_of_its_identity():
     """An edit to the plan (or its disk check) must not retrain a finished run: it changes no weight."""
-    from voxdiff.codehash import TRAINING_MODULE, closure, training_sources
+    from voxdiff.runtime.codehash import TRAINING_MODULE, closure, training_sources
 
-    assert "voxdiff.training.plan" in closure(TRAINING_MODULE)
+    assert "voxdiff.pipeline.plan" in closure(TRAINING_MODULE)
     assert not any(f.name == "plan.py" for f in training_sources())
 
 
@@ -177,7 +178,7 @@ def test_measured_peak_memory_is_the_steps_own_on_the_cpu(tiny_root):
     import numpy as np
 
     from voxdiff.data.cache import open_cache
-    from voxdiff.training.distributed import init_runtime, peak_memory_mb
+    from voxdiff.runtime.distributed import init_runtime, peak_memory_mb
     from voxdiff.training.trainer import Trainer
 
     big = np.ones(100_000_000)  # 800 MB touched, then freed: the process's peak RSS holds it

@@ -14,7 +14,7 @@ import pytest
 import torch
 from ema_pytorch import KarrasEMA
 
-from voxdiff.errors import ParamsError, VoxdiffError
+from voxdiff.runtime.errors import ParamsError, VoxdiffError
 from voxdiff.training import posthoc_ema
 from conftest import REPO, make_params
 
@@ -180,7 +180,7 @@ def test_stage_never_uses_another_runs_snapshots(tiny_root, capfd):
     workspace, then A's finished checkpoint comes back (dvc exp apply): the finished path used to
     reconstruct A's post-hoc EMA from B's snapshots. Now B's are removed and A's figures are left out
     with one line (the model stands); an unfinished A is refused (test above)."""
-    from voxdiff.training.train import run_training
+    from voxdiff.pipeline.train import run_training
 
     short = {"train.max_samples": 8, "train.batch_size": 1, "train.accumulate_every": 2, "train.checkpoint_every": 4,
              "train.val_every_samples": 8, "train.phema_snapshots": 2}

@@ -13,7 +13,7 @@ from voxdiff.data import builtin
 from voxdiff.data import cache
 from voxdiff.data import prepare
 from voxdiff.data import preprocess
-from voxdiff.errors import ParamsError
+from voxdiff.runtime.errors import ParamsError
 
 
 def small(seed: int = 0, **overrides):

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import make_params
-from voxdiff import codehash
+from voxdiff.runtime import codehash
 from voxdiff.data.cache import open_cache
-from voxdiff.errors import ParamsError, TrainingDiverged, VoxdiffError
-from voxdiff.training.distributed import init_runtime
-from voxdiff.training.train import run_training
+from voxdiff.runtime.errors import ParamsError, TrainingDiverged, VoxdiffError
+from voxdiff.runtime.distributed import init_runtime
+from voxdiff.pipeline.train import run_training
 from voxdiff.training.trainer import MEASUREMENT_KEYS, Trainer
 
 SHORT = {"train.max_samples": 8, "train.batch_size": 1, "train.accumulate_every": 2, "train.checkpoint_every": 1,
@@ -375,7 +375,7 @@ def test_unreadable_checkpoint_is_refused_and_kept(tiny_root):
 
 
 def test_checkpoints_are_fsynced(tiny_root, monkeypatch):
-    from voxdiff import fsutil
+    from voxdiff.runtime import fsutil
 
     synced = []
     real = fsutil.fsync_path

@@ -42,9 +42,9 @@ def bf16_project(tmp_path_factory):
     code path without MLflow, whose store costs ~15 s here and changes nothing that is checked) and one
     run of evaluate on it; the first validation subject's label map is CENTRED."""
     from voxdiff.data.cache import open_cache
-    from voxdiff.evaluation.evaluate import run_evaluate
+    from voxdiff.pipeline.evaluate import run_evaluate
     from voxdiff.training import checkpoint
-    from voxdiff.training.distributed import init_runtime
+    from voxdiff.runtime.distributed import init_runtime
     from voxdiff.training.trainer import Trainer
 
     root = tmp_path_factory.mktemp("bf16")
@@ -178,7 +178,7 @@ def test_sample_sets_the_cuda_backends_as_evaluate_does(bf16_project, tmp_path, 
     """`voxdiff sample` applies params.yaml's train.tf32 and train.deterministic through the same
     configure_backends as training and evaluate (a no-op on the CPU: recorded here, checked for CUDA in
     tests/test_cuda_settings.py); before, sample never called it, so TF32 stayed at PyTorch's defaults."""
-    from voxdiff.training import distributed
+    from voxdiff.runtime import distributed
 
     root, params = bf16_project
     calls = []

@@ -59,7 +59,7 @@ def subjects_of(cache, generate, per_map: int = 2) -> list[dict]:
 def scored(demo_data):
     """{generator name: dice_metrics} for the tissue-mean and the noise generator, and the seconds each took."""
     from voxdiff.evaluation import segmenter
-    from voxdiff.evaluation.evaluate import class_keys
+    from voxdiff.pipeline.evaluate import class_keys
 
     params, root, cache = demo_data
     _, keys = class_keys(params, list(cache.label_values))
@@ -115,7 +115,7 @@ def test_train_on_synthetic_orders_the_generators_honestly(scored):
 def test_segmenters_are_cached_and_deterministic(demo_data, scored):
     """The real-trained segmenter is loaded from models/segmenter/, and scores as the one just trained."""
     from voxdiff.evaluation import segmenter
-    from voxdiff.evaluation.evaluate import class_keys
+    from voxdiff.pipeline.evaluate import class_keys
 
     params, root, cache = demo_data
     files = list((root / "models" / "segmenter").glob("*.pt"))
@@ -143,7 +143,7 @@ def test_segmenters_are_cached_and_deterministic(demo_data, scored):
 
 def test_off_and_bad_input(demo_data, tmp_path):
     from voxdiff.data.cache import ProcessedCache
-    from voxdiff.errors import DataError, VoxdiffError
+    from voxdiff.runtime.errors import DataError, VoxdiffError
     from voxdiff.evaluation import segmenter
 
     params, root, cache = demo_data
@@ -178,7 +178,7 @@ def test_off_and_bad_input(demo_data, tmp_path):
     ("tstr_sampling_steps", -2, "evaluate.tstr_sampling_steps must be an integer >= 0"),
 ])
 def test_settings_are_validated_by_name(key, value, message):
-    from voxdiff.errors import ParamsError
+    from voxdiff.runtime.errors import ParamsError
 
     with pytest.raises(ParamsError, match=message):
         make_params({f"evaluate.{key}": value, "preprocess.shape": [16, 16, 16]}, tiny=False)

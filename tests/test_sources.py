@@ -10,8 +10,8 @@ from datagen import user_params, write_pair
 from voxdiff.data import prepare
 from voxdiff.data import preprocess
 from voxdiff.data import sources
-from voxdiff.errors import ParamsError
-from voxdiff.fsutil import sha256_file
+from voxdiff.runtime.errors import ParamsError
+from voxdiff.runtime.fsutil import sha256_file
 
 BRATS = [f"BraTS2021_0130{i}" for i in range(3)]
 

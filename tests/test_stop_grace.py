@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import make_params
-from voxdiff.training import plan
-from voxdiff.training.train import run_training
+from voxdiff.pipeline import plan
+from voxdiff.pipeline.train import run_training
 from voxdiff.training.trainer import Trainer
 
 
@@ -38,7 +38,7 @@ def test_a_stop_skips_validation_and_probe_and_saves_within_the_plans_estimate(t
     sooner than the validation and probe would take; the resumed run runs them at the same weights and ends
     as an uninterrupted run does, history and weights."""
     from voxdiff.data.cache import open_cache
-    from voxdiff.training.distributed import init_runtime
+    from voxdiff.runtime.distributed import init_runtime
 
     p = make_params(SLOW_EVENTS)
     ref_root = tmp_path / "ref"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import make_params
-from voxdiff.training.train import run_training
+from voxdiff.pipeline.train import run_training
 from voxdiff.training.trainer import Trainer
 
 TESTS = Path(__file__).resolve().parent
@@ -59,7 +59,7 @@ STOPPED_RUN = r"""
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
 from conftest import make_params
-from voxdiff.training import train
+from voxdiff.pipeline import train
 from voxdiff.training.trainer import Trainer
 
 when = sys.argv[3]
@@ -109,9 +109,9 @@ def test_sigterm_never_ends_the_process_before_its_save(tiny_root, when):
 
 
 def test_a_stop_noted_before_anything_started_is_honoured_at_once(tiny_root):
-    """The stage entry and `voxdiff train` defer SIGTERM before the heavy imports (voxdiff.stopping); one that
+    """The stage entry and `voxdiff train` defer SIGTERM before the heavy imports (voxdiff.runtime.stopping); one that
     arrived there ends the run before anything starts."""
-    from voxdiff import stopping
+    from voxdiff.runtime import stopping
 
     stopping.defer()
     try:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import TINY, make_params, raw_params, write_tiny_cache
-from voxdiff.errors import VoxdiffError
+from voxdiff.runtime.errors import VoxdiffError
 from voxdiff.tracking.runs import RunTracker
 
 
@@ -146,7 +146,7 @@ def test_sqlite_uris_are_parsed_in_tracking_uri_only(tiny_root):
 
     from voxdiff.tracking.runs import _client, ensure_experiment
     from voxdiff.tracking.uri import local_artifacts_dir, sqlite_path
-    from voxdiff.training.plan import mlflow_artifacts_dir
+    from voxdiff.pipeline.plan import mlflow_artifacts_dir
 
     uri = os.environ["MLFLOW_TRACKING_URI"]
     assert sqlite_path(uri) == tiny_root / "mlflow.db" and sqlite_path("http://host:5000") is None

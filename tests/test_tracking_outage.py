@@ -16,7 +16,7 @@ from conftest import make_params
 from test_mlflow_server import MlflowServer, api
 from voxdiff.tracking.runs import RunTracker
 from voxdiff.training import checkpoint
-from voxdiff.training.train import run_training
+from voxdiff.pipeline.train import run_training
 from voxdiff.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow

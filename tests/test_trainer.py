@@ -10,7 +10,7 @@ import torch
 from conftest import make_params
 from voxdiff.training import trainer as trainer_mod
 from voxdiff.data.cache import open_cache
-from voxdiff.training.distributed import init_runtime
+from voxdiff.runtime.distributed import init_runtime
 from voxdiff.training.schedule import ema_beta, lr_at, plan_budget, scaled_lr
 from voxdiff.training.trainer import Trainer
 
@@ -214,7 +214,7 @@ def test_same_params_same_bits(tiny_root):
 def test_nan_loss_stops_with_the_step(tiny_root):
     import numpy as np
 
-    from voxdiff.errors import TrainingDiverged
+    from voxdiff.runtime.errors import TrainingDiverged
 
     images = np.load(tiny_root / "data/processed/images.npy")
     images[:4] = np.nan  # every training subject

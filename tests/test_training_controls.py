@@ -18,10 +18,10 @@ import yaml
 from conftest import REPO, make_params
 from voxdiff.training import trainer as trainer_mod
 from voxdiff.data.cache import open_cache
-from voxdiff.training.distributed import init_runtime
+from voxdiff.runtime.distributed import init_runtime
 from voxdiff.params import validate
 from voxdiff.training.schedule import adam_settings, ema_halflife, ema_rampup_end, plan_budget
-from voxdiff.training.train import run_training
+from voxdiff.pipeline.train import run_training
 from voxdiff.training.trainer import GradProbe, Trainer
 
 
@@ -79,7 +79,7 @@ def test_adam_sde_rule_known_numbers():
 
 
 def test_adam_sde_rule_reaches_the_optimizer_and_refuses_negative_betas(tiny_root):
-    from voxdiff.errors import ParamsError
+    from voxdiff.runtime.errors import ParamsError
 
     p = make_params({"train.batch_size": 2, "train.accumulate_every": 2, "train.reference_batch": 1,
                      "train.lr_scaling": "sde", "train.adam_betas": [0.9, 0.99]})
@@ -203,7 +203,7 @@ def test_ctrl_c_during_validation_resumes_exactly(tiny_root, tmp_path, monkeypat
     assert math.isfinite(done["history"][-1]["val_loss"])
 
 
-def test_second_ctrl_c_mid_step_keeps_the_last_good_checkpoint(tiny_root, tmp_path, monkeypatch):
+def test_second_ctrl_c_mid_step_keeps_the_last_good_checkpoint(tiny_root, tmp_path, monkeypatch, request):
     """Two SIGINTs land right after optimizer step 3 moved the weights, before its counters advance (issue
     36 item 6): the first is deferred, the second acts at once. The checkpoint on disk must stay the step-2
     one, byte for byte (saving there wrote new weights under old counters, and the resumed run stepped them
@@ -219,6 +219,10 @@ def test_second_ctrl_c_mid_step_keeps_the_last_good_checkpoint(tiny_root, tmp_pa
     ckpt = tiny_root / "models" / "checkpoint.pt"
     real_step = Trainer.optimizer_step
     good = {}
+    # A user's shell gives Python its own SIGINT handler; a test earlier on this worker may have left another
+    # (the second Ctrl-C then does what that one does): start from Python's, and put back what was there.
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, outer))
 
     def torn(self, n_window):
         out = real_step(self, n_window)
@@ -247,7 +251,7 @@ def test_second_ctrl_c_mid_step_keeps_the_last_good_checkpoint(tiny_root, tmp_pa
 
 
 def test_flattening_compares_last_and_first_quarter_gains():
-    from voxdiff.training.train import flattening
+    from voxdiff.pipeline.train import flattening
 
     samples = [100, 200, 300, 400]
     # first quarter (100 -> 100): starts at the first validation; here: 1.0 at 100, 0.5 at 200 ...
@@ -326,8 +330,8 @@ def test_flash_attention_switch_keeps_the_network_and_is_on_for_cuda_only(tiny_r
 
 def test_explicit_cuda_device_is_refused_under_torchrun(monkeypatch):
     """train.device: cuda:1 under torchrun would put every rank on GPU 1: refused with the key named."""
-    from voxdiff.errors import VoxdiffError
-    from voxdiff.training.distributed import pick_device
+    from voxdiff.runtime.errors import VoxdiffError
+    from voxdiff.runtime.distributed import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(VoxdiffError, match="train.device is 'cuda:1' under torchrun"):

@@ -28,7 +28,7 @@ def _params_option(f):
 
 
 def _resolve(root: Path | None, params_path: Path | None):
-    from voxdiff.fsutil import repo_root
+    from voxdiff.runtime.fsutil import repo_root
     from voxdiff.params import load
 
     root = (root or repo_root()).resolve()
@@ -40,7 +40,7 @@ def user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from voxdiff.errors import exit_on_user_error
+        from voxdiff.runtime.errors import exit_on_user_error
 
         debug = click.get_current_context().find_root().params.get("debug", False)
         return exit_on_user_error(lambda: fn(*args, **kwargs), debug)
@@ -117,17 +117,17 @@ def train(root, params_path, progress, restart, plan, plan_steps):
     stops at the end of the optimizer step with a checkpoint. Multi-GPU/CPU:
     `.venv/bin/torchrun --nproc_per_node N stages/train.py` from the project root. Before training it checks
     that the disk can hold the run (refused in one line otherwise); `--plan` shows the whole plan."""
-    if not plan:  # first: a SIGTERM while torch and MONAI load is noted, not fatal (voxdiff.stopping)
-        from voxdiff import stopping
+    if not plan:  # first: a SIGTERM while torch and MONAI load is noted, not fatal (voxdiff.runtime.stopping)
+        from voxdiff.runtime import stopping
 
         stopping.defer()
     root, params = _resolve(root, params_path)
     if plan:
-        from voxdiff.training.plan import run_plan
+        from voxdiff.pipeline.plan import run_plan
 
         run_plan(params, root, steps=plan_steps, echo=click.echo)
         return
-    from voxdiff.training.train import run_training
+    from voxdiff.pipeline.train import run_training
 
     run_training(params, root, progress=progress, restart=restart)
 
@@ -140,7 +140,7 @@ def evaluate(root, params_path):
     """Sample volumes for the validation label maps with the EMA weights (DDIM) and write
     metrics/eval_detail.json (metrics/eval.json: the few figures for `dvc exp show`) and montages; logs into
     the training's MLflow run."""
-    from voxdiff.evaluation.evaluate import run_evaluate
+    from voxdiff.pipeline.evaluate import run_evaluate
 
     root, params = _resolve(root, params_path)
     run_evaluate(params, root)
@@ -154,7 +154,7 @@ def doctor(root, params_path):
     """Print what a bug report needs: device, the precision `auto` picks and why, threads, versions of
     torch/MONAI/MLflow/DVC, and the MLflow tracking URI in force and whether it answers."""
     from voxdiff.doctor import print_report
-    from voxdiff.fsutil import repo_root
+    from voxdiff.runtime.fsutil import repo_root
     from voxdiff.params import load
 
     root = (root or repo_root()).resolve()
@@ -196,8 +196,8 @@ def metrics(root):
     """Print the main figures of the last run (metrics/train_detail.json and metrics/eval_detail.json,
     which hold every field); `dvc exp show --only-changed` compares experiments on the few figures of
     metrics/train.json and metrics/eval.json."""
-    from voxdiff.convergence import BEST_WINDOW
-    from voxdiff.fsutil import repo_root
+    from voxdiff.analysis.convergence import BEST_WINDOW
+    from voxdiff.runtime.fsutil import repo_root
     from voxdiff.tracking import dvc_metrics
 
     root = (root or repo_root()).resolve()

@@ -13,7 +13,7 @@ def report(root: Path, params=None) -> list[tuple[str, str]]:
     import torch
 
     from voxdiff import __version__
-    from voxdiff.training.distributed import auto_precision, pick_device
+    from voxdiff.runtime.distributed import auto_precision, pick_device
 
     requested = params.train.device if params else "auto"
     lines = [("voxdiff", __version__), ("python", platform.python_version()),

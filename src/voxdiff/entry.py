@@ -15,8 +15,8 @@ from pathlib import Path
 STAGES = {  # stage -> (module, function(params, root))
     "prepare": ("voxdiff.data.prepare", "run_prepare"),
     "preprocess": ("voxdiff.data.preprocess", "run_preprocess"),
-    "train": ("voxdiff.training.train", "run_training"),
-    "evaluate": ("voxdiff.evaluation.evaluate", "run_evaluate"),
+    "train": ("voxdiff.pipeline.train", "run_training"),
+    "evaluate": ("voxdiff.pipeline.evaluate", "run_evaluate"),
 }
 
 
@@ -27,7 +27,7 @@ def quiet_library_warnings() -> None:
 
 
 def run_stage(stage: str) -> None:
-    from voxdiff.errors import exit_on_user_error
+    from voxdiff.runtime.errors import exit_on_user_error
     from voxdiff.params import load
 
     root = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import yaml
 
-from voxdiff.errors import ParamsError
+from voxdiff.runtime.errors import ParamsError
 
 # --- checks -------------------------------------------------------------------------------------
 Check = Callable[[str, Any], Any]
@@ -280,7 +280,7 @@ class Train:
     precision: str
     fp16_max_skipped_steps: int
     device: str
-    tf32: bool            # CUDA: TF32 for fp32 matmuls/convolutions (training/distributed.py: configure_backends)
+    tf32: bool            # CUDA: TF32 for fp32 matmuls/convolutions (runtime/distributed.py: configure_backends)
     compile: bool         # torch.compile the network being trained
     deterministic: bool   # CUDA: deterministic kernels (configure_backends)
     val_every_samples: int
@@ -300,7 +300,7 @@ class Train:
 
 
 # What a change to each train.* key invalidates (docs/exactness.md, "What a change invalidates"). One list, read
-# by the trainer's fingerprint (training/trainer.py) and by compare's "same configuration" (report/statistics.py).
+# by the trainer's fingerprint (training/trainer.py) and by compare's "same configuration" (report/groups.py).
 # Measurement-only: what is measured during training, never a weight (validation and the probes touch neither
 # .grad, the optimizer nor any RNG: tests/test_training_controls.py; the post-hoc EMA profiles are averaged
 # beside the model, never fed back into it): a change keeps the run and is recorded. phema_sigma_rels: a resumed

@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-from voxdiff.errors import ParamsError
+from voxdiff.runtime.errors import ParamsError
 from voxdiff.params import SCHEMA
 
 REPO = Path(__file__).resolve().parents[2]

@@ -60,7 +60,7 @@ class Inputs:
 
 
 def _resolve_out(root: Path, out: Path) -> Path:
-    from voxdiff.errors import VoxdiffError
+    from voxdiff.runtime.errors import VoxdiffError
 
     out = out if out.is_absolute() else root / out
     if out.suffix != ".md":
@@ -72,7 +72,7 @@ def _resolve_out(root: Path, out: Path) -> Path:
 
 def _check_compatible(state: dict, params, cache, path: Path) -> None:
     """The checkpoint must hold this network, diffusion and grid: the branches continue its weights."""
-    from voxdiff.errors import VoxdiffError
+    from voxdiff.runtime.errors import VoxdiffError
 
     theirs = state.get("params") or {}
     for section in ("model", "diffusion", "preprocess"):
@@ -95,8 +95,8 @@ def _check_compatible(state: dict, params, cache, path: Path) -> None:
 
 def check_inputs(opts: AdviseOptions) -> Inputs:
     from voxdiff.data.cache import open_cache
-    from voxdiff.errors import VoxdiffError
-    from voxdiff.fsutil import repo_root
+    from voxdiff.runtime.errors import VoxdiffError
+    from voxdiff.runtime.fsutil import repo_root
     from voxdiff.params import load
     from voxdiff.training import checkpoint
 
@@ -257,7 +257,7 @@ def conclude(opts: AdviseOptions, inputs: Inputs, plan: Plan, m: Measurements, r
 def run_advise(opts: AdviseOptions, echo=None):
     """Check every input, measure (memory/speed, noise scale, branches), conclude, write and log: the Advice."""
     from voxdiff.advise import report
-    from voxdiff.training.distributed import configure_backends, init_runtime
+    from voxdiff.runtime.distributed import configure_backends, init_runtime
 
     echo = echo or (lambda s: click.echo(s, err=True))
     inputs = check_inputs(opts)

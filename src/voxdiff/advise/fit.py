@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from voxdiff.convergence import bootstrap_critical_batch, fit_critical_batch
+from voxdiff.analysis.convergence import bootstrap_critical_batch, fit_critical_batch
 
 TARGET_FRACTION = 0.8   # the target gain: this share of the largest batch's mean gain over its whole branch
 CHECK_FRACTIONS = (0.5, 0.65)  # the same fit at shallower targets (every branch passed them): a robustness check

@@ -17,9 +17,9 @@ import torch
 
 from voxdiff.advise.fit import BranchCurve, SpeedRow
 from voxdiff.data.cache import ProcessedCache
-from voxdiff.errors import TrainingDiverged, VoxdiffError
+from voxdiff.runtime.errors import TrainingDiverged, VoxdiffError
 from voxdiff.params import Params, validate
-from voxdiff.training.distributed import Runtime, peak_memory_mb, reset_peak_memory, timed
+from voxdiff.runtime.distributed import Runtime, peak_memory_mb, reset_peak_memory, timed
 from voxdiff.training.schedule import lr_at, plan_budget, scaled_lr
 from voxdiff.training.trainer import Trainer
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from voxdiff.advise.fit import BranchCurve, BranchFit, Candidate, CurrentCost, Setting, SpeedRow, Verdict
-from voxdiff.fsutil import atomic_path, write_text
+from voxdiff.runtime.fsutil import atomic_path, write_text
 
 
 @dataclasses.dataclass
@@ -248,7 +248,7 @@ def markdown(a: Advice, figure: Path) -> str:
               "its EMA forgot the checkpoint's "
               f"(after {plan.usable_from:g} samples) to its end level; the position where each "
               "branch crosses it, read between validations, / B = its steps, fitted with S = S_min(1 + B_crit/B) "
-              "(`voxdiff.convergence`); the interval by a bootstrap over seeds and over each curve's validations around "
+              "(`voxdiff.analysis.convergence`); the interval by a bootstrap over seeds and over each curve's validations around "
               "its trend (the seeds alone give "
               f"{_interval(*b.seed_interval) if b.seed_interval[0] is not None else '—'}).", "",
               "| effective batch | runs as | samples trained | val-loss gain (mean ± std over seeds) | gain per 1000 "

@@ -16,7 +16,7 @@ import numpy as np
 from scipy import ndimage
 from voxdiff.data import sources
 from voxdiff.data.parallel import ordered_map
-from voxdiff.fsutil import atomic_path, write_json
+from voxdiff.runtime.fsutil import atomic_path, write_json
 
 LABEL_VALUES = (0, 1, 2, 3)  # background, CSF, GM, WM
 BRAIN_THRESHOLD = 0.2  # T1/255 above this is brain (anchors.md)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from voxdiff.errors import DataError
+from voxdiff.runtime.errors import DataError
 
 FORMAT_VERSION = 1
 

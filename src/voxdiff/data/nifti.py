@@ -15,7 +15,7 @@ from typing import Sequence
 import nibabel as nib
 import numpy as np
 
-from voxdiff.errors import DataError
+from voxdiff.runtime.errors import DataError
 
 MAX_VOXELS = 512**3  # a header claiming more is corrupt or not a brain scan; refuse before allocating
 MAX_DIM = 2048

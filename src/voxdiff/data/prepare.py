@@ -16,8 +16,8 @@ from voxdiff.data import builtin
 from voxdiff.data import nifti
 
 from voxdiff.data import sources
-from voxdiff.errors import ParamsError
-from voxdiff.fsutil import atomic_path, write_json
+from voxdiff.runtime.errors import ParamsError
+from voxdiff.runtime.fsutil import atomic_path, write_json
 
 INDEX_NAME = "index.json"
 

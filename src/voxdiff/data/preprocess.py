@@ -25,8 +25,8 @@ from voxdiff.data import nifti
 
 from voxdiff.data import sources
 from voxdiff.data.parallel import ordered_map
-from voxdiff.errors import DataError, ParamsError
-from voxdiff.fsutil import atomic_path, sha256_file, write_json
+from voxdiff.runtime.errors import DataError, ParamsError
+from voxdiff.runtime.fsutil import atomic_path, sha256_file, write_json
 
 PREVIEW_SUBJECTS = 4
 

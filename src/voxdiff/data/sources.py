@@ -11,8 +11,8 @@ import hashlib
 import re
 from pathlib import Path
 
-from voxdiff.errors import DataError, ParamsError
-from voxdiff.fsutil import sha256_file
+from voxdiff.runtime.errors import DataError, ParamsError
+from voxdiff.runtime.fsutil import sha256_file
 
 BUILTIN_IMAGE_GLOB = "images/*.nii.gz"  # what builtin.py writes, whatever data.image_glob says
 BUILTIN_LABEL_GLOB = "labels/*.nii.gz"

@@ -24,8 +24,8 @@ from typing import Sequence
 import torch
 
 from voxdiff.diffusion.objective import stream_seed
-from voxdiff.training.distributed import peak_memory_mb
-from voxdiff.errors import ParamsError, VoxdiffError
+from voxdiff.runtime.distributed import peak_memory_mb
+from voxdiff.runtime.errors import ParamsError, VoxdiffError
 from voxdiff.params import SCHEMA, Diffusion, Model, Preprocess
 
 SAMPLERS = ("ddim", "ancestral")
@@ -79,7 +79,7 @@ def checkpoint_runtime(state: dict, device, fallback: str = "auto", source="chec
     must use what `evaluate` uses: the precision training resolved (the checkpoint's precision_resolved),
     else `fallback` (params.yaml's train.precision, checked already) resolved on `device`, as evaluate
     resolves it."""
-    from voxdiff.training.distributed import Runtime, pick_precision
+    from voxdiff.runtime.distributed import Runtime, pick_precision
 
     device = torch.device(device)
     resolved = state.get("precision_resolved") or fallback

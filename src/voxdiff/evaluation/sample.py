@@ -31,7 +31,7 @@ def _settings(params_path: Path | None):
     else the project's params.yaml when there is one, else built-in defaults. The network, diffusion
     schedule, preprocessing and label values always come from the checkpoint, and so does the precision
     when it says which one training resolved."""
-    from voxdiff.fsutil import repo_root
+    from voxdiff.runtime.fsutil import repo_root
     from voxdiff.params import load
 
     if params_path is None:
@@ -57,9 +57,9 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     from voxdiff.data import nifti
 
     from voxdiff.diffusion import sampling
-    from voxdiff.training import distributed
-    from voxdiff.errors import VoxdiffError
-    from voxdiff.fsutil import atomic_path, check_writable
+    from voxdiff.runtime import distributed
+    from voxdiff.runtime.errors import VoxdiffError
+    from voxdiff.runtime.fsutil import atomic_path, check_writable
     from voxdiff.data.preprocess import preprocess_label, to_original_grid
 
     checkpoint_path, label_path, out_path = Path(checkpoint_path), Path(label_path), Path(out_path)

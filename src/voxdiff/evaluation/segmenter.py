@@ -53,8 +53,8 @@ from typing import Callable
 
 import numpy as np
 
-from voxdiff.errors import DataError, VoxdiffError
-from voxdiff.fsutil import atomic_path
+from voxdiff.runtime.errors import DataError, VoxdiffError
+from voxdiff.runtime.fsutil import atomic_path
 
 BATCH = 2          # volumes per optimizer step (at 32^3 on the CPU: the fast convolution path, ~23 ms a step)
 LR = 1e-2          # Adam's learning rate

@@ -1,1 +1,1 @@
-"""Reports across runs: `voxdiff compare` and the figures."""
+"""Reports across runs: `voxdiff compare`, the study reports and the figures; run grouping (groups.py)."""

@@ -2,7 +2,7 @@
 
 Reads the training runs that the trainer logged to MLflow, groups them by the param, and writes a
 Markdown report with figures: validation loss against optimizer steps, samples seen and wall time;
-a table per setting (with each run's last-quarter change and plateau verdict, voxdiff.convergence); the
+a table per setting (with each run's last-quarter change and plateau verdict, voxdiff.analysis.convergence); the
 measured gradient noise scale and the accumulate_every it implies; the critical batch measured from
 steps-to-target; and a plain-language reading that only calls a difference real when the seeds' spread
 supports it. Re-runs of an identical configuration (the same seed trained again) are left out, by name.
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import click
 
-from voxdiff.errors import VoxdiffError
-from voxdiff.fsutil import project_relative, project_root, write_text
+from voxdiff.runtime.errors import VoxdiffError
+from voxdiff.runtime.fsutil import project_relative, project_root, write_text
 from voxdiff.report.loading import (RUN_ID, THIN_ABOVE_ROWS, find_training_runs, load_run, open_client,
                                     read_archive, write_archive)
 from voxdiff.tracking.uri import display_uri
 from voxdiff.report.rendering import (bucket_section, critical_batch_section, phase_section, make_figures, mean_std,
                                       messages_for, noise_scale_section, reached_cell, reading_section, render_report)
-from voxdiff.report.statistics import (GroupSummary, default_target, drop_reruns, group_runs, reruns_note,
-                                       summarize_group)
+from voxdiff.report.groups import (GroupSummary, default_target, drop_reruns, group_runs, reruns_note,
+                                   summarize_group)
 
 MAX_TAG_CHARS = 8000  # MLflow's limit on a tag value
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from voxdiff.convergence import fit_critical_batch
+from voxdiff.analysis.convergence import fit_critical_batch
 from voxdiff.report.loading import RunData, as_float, read_archive
 from voxdiff.report.rendering import CROSSING_METHODS, mean_std
-from voxdiff.report.statistics import paired_ratio, run_best
+from voxdiff.analysis.statistics import paired_ratio
+from voxdiff.report.groups import run_best
 
 TARGET_FACTORS = (1.20, 1.10, 1.05)
 SMOOTH = 3

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from voxdiff import convergence
-from voxdiff.errors import VoxdiffError
+from voxdiff.analysis import convergence
+from voxdiff.runtime.errors import VoxdiffError
 from voxdiff.tracking.runs import METRIC_KEYS
 
 TRAIN_KIND = "train"
@@ -354,7 +354,7 @@ def write_archive(client, experiment: str, filter_string: str | None, tracking_u
                   max_rows: int | None = THIN_ABOVE_ROWS) -> list[Path]:
     """Export every finished training run of the experiment to folder/<run id>.json (atomically)."""
 
-    from voxdiff.fsutil import write_text
+    from voxdiff.runtime.fsutil import write_text
 
     _, runs, _ = find_training_runs(client, experiment, filter_string, tracking_uri)
     folder = Path(folder)

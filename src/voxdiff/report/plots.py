@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from voxdiff.fsutil import atomic_path  # noqa: E402
+from voxdiff.runtime.fsutil import atomic_path  # noqa: E402
 
 
 def convergence(history: list[dict], path: Path, title: str = "") -> None:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from voxdiff.convergence import (BEST_WINDOW, PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch,
+from voxdiff.analysis.convergence import (BEST_WINDOW, PLATEAU_THRESHOLD, bootstrap_critical_batch, fit_critical_batch,
                                  FALLING, PAST_BEST, PLATEAU, target_levels)
-from voxdiff.fsutil import atomic_path
+from voxdiff.runtime.fsutil import atomic_path
 from voxdiff.report.loading import RunData, as_float
-from voxdiff.report.statistics import (ALPHA, GroupSummary, compare_means, confounders, holm,
-                                      most_common_int, paired_ratio, welch_mde)
+from voxdiff.analysis.statistics import ALPHA, compare_means, holm, paired_ratio, welch_mde
+from voxdiff.report.groups import GroupSummary, confounders, most_common_int
 from voxdiff.training.gns import balanced_accumulate_every, critical_batch_tradeoff, not_measurable_reason
 
 
@@ -85,7 +85,7 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None, sm
               "reach it (interpolated between validations) are fitted with S = S_min(1 + B_crit/B), the same "
               "law as samples E = E_min(1 + B/B_crit) since E = B·S, by least squares on log S: then the S-law "
               "and the E-law have the same residuals and give one B_crit, and the seeds' spread, roughly "
-              "proportional to S, weighs alike at every B (`voxdiff.convergence`). 95 % interval: percentile "
+              "proportional to S, weighs alike at every B (`voxdiff.analysis.convergence`). 95 % interval: percentile "
               f"bootstrap over seeds ({CRITICAL_BOOTSTRAP} resamples of the runs within each B; with 3 seeds a B "
               "it is on the narrow side). The targets are spaced geometrically between the lowest first-validation "
               f"loss ({start:.4g}) and the highest best loss ({reached:.4g}), so every run reaches each of them "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from voxdiff import __version__
-from voxdiff.errors import VoxdiffError, echo
+from voxdiff.runtime.errors import VoxdiffError, echo
 from voxdiff.params import Params
 from voxdiff.tracking.uri import local_artifacts_dir, resolve_tracking_uri, sqlite_path
 from voxdiff.tracking.views import val_axis_metrics

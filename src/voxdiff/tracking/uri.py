@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from voxdiff.fsutil import project_relative, project_root
+from voxdiff.runtime.fsutil import project_relative, project_root
 from voxdiff.params import Params
 
 

@@ -1,1 +1,1 @@
-"""Training: budget/LR/EMA schedules, the exact-accumulation trainer, checkpoints, DDP runtime, noise scale, the stage."""
+"""Training: budget/LR/EMA schedules, the exact-accumulation trainer, the best point, checkpoints, post-hoc EMA, noise scale."""

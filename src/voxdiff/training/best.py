@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from voxdiff.convergence import BEST_WINDOW
+from voxdiff.analysis.convergence import BEST_WINDOW
 
 
 @dataclasses.dataclass

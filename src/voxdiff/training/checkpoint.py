@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from voxdiff.errors import VoxdiffError
-from voxdiff.fsutil import atomic_path
+from voxdiff.runtime.errors import VoxdiffError
+from voxdiff.runtime.fsutil import atomic_path
 
 FORMAT_VERSION = 1
 RESTART_HINT = "run `voxdiff train --restart` (or VOXDIFF_RESTART=1 dvc repro) to train from scratch over it"

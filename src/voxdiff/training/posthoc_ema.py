@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from voxdiff.errors import VoxdiffError
-from voxdiff.fsutil import atomic_path
+from voxdiff.runtime.errors import VoxdiffError
+from voxdiff.runtime.fsutil import atomic_path
 from voxdiff.training.checkpoint import RESTART_HINT
 
 # Above 1/sqrt(12) the power function's exponent gamma would be negative (EDM2, eq. 3).

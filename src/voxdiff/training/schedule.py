@@ -75,7 +75,7 @@ def adam_settings(train: Train, effective_batch: int) -> AdamSettings:
     kappa = effective_batch / train.reference_batch
     betas = (1 - kappa * (1 - b1), 1 - kappa * (1 - b2))
     if min(betas) < 0:
-        from voxdiff.errors import ParamsError
+        from voxdiff.runtime.errors import ParamsError
 
         raise ParamsError(f"params.yaml: train.lr_scaling=sde with effective batch {effective_batch} "
                           f"(kappa {kappa:g} x train.reference_batch) makes Adam's beta negative "

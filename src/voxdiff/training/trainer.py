@@ -25,8 +25,8 @@ from voxdiff.diffusion import objective
 from voxdiff.training import gns, posthoc_ema
 from voxdiff.training.best import BestWeights
 from voxdiff.data.cache import ProcessedCache
-from voxdiff.training.distributed import Runtime, all_reduce_sum, peak_memory_mb
-from voxdiff.errors import TrainingDiverged
+from voxdiff.runtime.distributed import Runtime, all_reduce_sum, peak_memory_mb
+from voxdiff.runtime.errors import TrainingDiverged
 from voxdiff.diffusion.model import build_inferer, build_network, build_scheduler, enable_activation_checkpointing
 # MEASUREMENT_KEYS, OPERATIONAL_KEYS: the train.* keys left out of the fingerprint (one list, read by compare too)
 from voxdiff.params import MEASUREMENT_KEYS, OPERATIONAL_KEYS, Params
@@ -121,7 +121,7 @@ class Trainer:
         the data, the world size (it sets the effective batch), the resolved precision (`precision`
         overrides it), each training source file's syntax-tree hash and the torch/MONAI major.minor
         (codehash: a code fix retrains, a comment does not)."""
-        from voxdiff import codehash
+        from voxdiff.runtime import codehash
 
         parts = {}
         for section in ("seed", "data", "preprocess", "model", "diffusion", "train"):

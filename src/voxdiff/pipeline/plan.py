@@ -16,7 +16,7 @@ models/checkpoint.pt in .dvc/cache: a full copy unless cache.type links), and th
 when its artifacts are local; less what the run replaces (the present checkpoint and, on a fresh start,
 the snapshots of another run). When a file system cannot hold its part, training is refused in one line.
 
-Not part of the training's identity (codehash.RECORDING_ONLY): nothing here changes a weight.
+Not part of the training's identity (codehash.training_sources: the stage's own floor): nothing here changes a weight.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from voxdiff.errors import VoxdiffError
+from voxdiff.runtime.errors import VoxdiffError
 from voxdiff.params import Params, Train, validate
 from voxdiff.training import posthoc_ema
 from voxdiff.training.schedule import due_in_samples, plan_budget
@@ -136,7 +136,7 @@ def checkpoint_bytes(sizes: Sizes, train: Train, events: Events) -> int:
 def best_copies(validations: int) -> int:
     """EMA copies training/best.py holds at the end of a run with this many validations: the kept best (once a
     window of BEST_WINDOW is full) and the BEST_WINDOW // 2 latest, which may yet be a window's centre."""
-    from voxdiff.convergence import BEST_WINDOW
+    from voxdiff.analysis.convergence import BEST_WINDOW
 
     return (1 if validations >= BEST_WINDOW else 0) + min(validations, BEST_WINDOW // 2)
 
@@ -314,7 +314,7 @@ def existing(path: Path) -> Path:
 def dvc_cache_dir(root: Path) -> Path | None:
     """Where `dvc repro` copies models/checkpoint.pt (its cache), or None: not a DVC project, or a
     cache.type that links instead of copying."""
-    from voxdiff.fsutil import project_root
+    from voxdiff.runtime.fsutil import project_root
 
     dvc = project_root(root) / ".dvc"
     if not dvc.is_dir():
@@ -417,7 +417,7 @@ def measure(trainer, steps: int, scratch_parent: Path) -> dict:
     """Time `steps` + 1 training steps (the first is the warm-up: left out), one validation, two probe
     gradients (the first warm), one checkpoint and one snapshot written (and the snapshot read) in a
     temporary folder under `scratch_parent`; peak memory of the steps alone and of everything."""
-    from voxdiff.training.distributed import peak_memory_mb, reset_peak_memory, timed
+    from voxdiff.runtime.distributed import peak_memory_mb, reset_peak_memory, timed
 
     dev = trainer.rt.device
     reset_peak_memory(dev)
@@ -501,7 +501,7 @@ def run_plan(params: Params, root: Path, steps: int = 3, echo=print) -> dict:
     """Print the plan of `voxdiff train` for params.yaml (see the module docstring); raise VoxdiffError
     after printing when the disk cannot hold the run. Returns the plan as a dict."""
     from voxdiff.data.cache import open_cache
-    from voxdiff.training.distributed import (PROCESS_GROUP_TIMEOUT, configure_backends, init_runtime,
+    from voxdiff.runtime.distributed import (PROCESS_GROUP_TIMEOUT, configure_backends, init_runtime,
                                               shutdown)
     from voxdiff.training.trainer import Trainer
 

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from voxdiff.errors import VoxdiffError
+from voxdiff.runtime.errors import VoxdiffError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A finished checkpoint stands for the code that trained it. DVC reruns the train stage after an edit to
 any of its deps; the trainer then compares this hash with the one stored in the checkpoint, so an edit
 to the training code retrains (it used to print "nothing to train" and keep the old weights) while an
-edit to plumbing outside the hash (tracking, plots) rewrites the stage's outputs from the finished model.
+edit to code outside the hash (tracking, plots, the plan: floors above the loop) rewrites the stage's
+outputs from the finished model.
 tests/test_layout.py checks that dvc.yaml's train deps are exactly this closure plus the stage entry.
 
 We read the import graph with `ast` rather than from sys.modules: the result must not depend on what
@@ -17,12 +18,25 @@ import functools
 import hashlib
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1]  # .../src
-TRAINING_MODULE = "voxdiff.training.train"
-# Code that only records or draws what training did: it cannot change a weight, so an edit to it
-# must not throw a finished run away (it is still a dep of the stage, which then rewrites outputs).
-# The plan (`voxdiff train --plan`, and the disk check every training runs first) only measures and refuses.
-RECORDING_ONLY = ("voxdiff.tracking", "voxdiff.report", "voxdiff.convergence", "voxdiff.training.plan")
+SRC = Path(__file__).resolve().parents[2]  # .../src
+TRAINING_MODULE = "voxdiff.pipeline.train"
+
+# The package's floors (docs/architecture.md): a module imports only from its own floor and the floors below,
+# which tests/test_layout.py checks. Keys are the first name under voxdiff (a package or a root module).
+FLOORS = {
+    "runtime": 0, "params": 0, "paramsdoc": 0,                  # errors, files, stops, device, the params schema
+    "analysis": 1,                                              # convergence and statistics: numbers in and out
+    "data": 2, "diffusion": 2, "training": 2, "evaluation": 2,  # the data, the model, the loop, the metrics
+    "tracking": 3, "report": 3,                                 # recording (MLflow, DVC metrics) and reports
+    "pipeline": 4, "advise": 4, "cli": 4, "entry": 4, "doctor": 4,  # stages and the commands on top
+}
+LOOP_FLOOR = FLOORS["training"]
+
+
+def floor(module: str) -> int:
+    """The floor of dotted module `module` (voxdiff itself: 0)."""
+    parts = module.split(".")
+    return FLOORS[parts[1]] if len(parts) > 1 else 0
 
 
 def module_file(name: str) -> Path | None:
@@ -72,8 +86,12 @@ def closure(start: str) -> set[str]:
 
 
 def training_sources() -> list[Path]:
-    """The files whose code can change what training computes, sorted."""
-    mods = [m for m in closure(TRAINING_MODULE) if not m.startswith(RECORDING_ONLY)]
+    """The files whose code can change what training computes, sorted: the train stage and what it runs from the
+    loop's floor and below (the runtime, analysis (the best point decides early stopping), data, model, loop).
+    The floors above only record or draw what training did (tracking, report), and the stage's neighbours on
+    its own floor only measure and refuse (the plan): an edit to them must not throw a finished run away (they
+    are still deps of the stage, which then rewrites its outputs from the finished model)."""
+    mods = [m for m in closure(TRAINING_MODULE) if m == TRAINING_MODULE or floor(m) <= LOOP_FLOOR]
     return sorted(module_file(m) for m in mods)
 
 

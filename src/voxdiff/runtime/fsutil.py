@@ -50,7 +50,7 @@ def fsync_path(path: str | os.PathLike) -> None:
 def check_writable(path: str | os.PathLike) -> None:
     """Fail before long work (sampling: minutes) rather than after: `path`'s folder must be creatable and
     writable, and `path` itself if it exists. One line naming `path` (VoxdiffError)."""
-    from voxdiff.errors import VoxdiffError
+    from voxdiff.runtime.errors import VoxdiffError
 
     path = Path(path)
     try:

@@ -60,8 +60,8 @@ from voxdiff.diffusion import objective
 from voxdiff.diffusion import sampling
 from voxdiff.data.cache import ProcessedCache, open_cache
 from voxdiff.evaluation.references import noise_image, tissue_mean_image, tissue_means  # the floors' predictors
-from voxdiff.errors import VoxdiffError
-from voxdiff.fsutil import atomic_path, check_writable, sha256_file, write_json
+from voxdiff.runtime.errors import VoxdiffError
+from voxdiff.runtime.fsutil import atomic_path, check_writable, sha256_file, write_json
 from voxdiff.params import Params
 from voxdiff.tracking import dvc_metrics
 
@@ -385,7 +385,7 @@ def still_at_best(state: dict) -> bool:
     """The run's lowest window of validations is its last (convergence.best_point, the rule the kept copy
     follows): it never passed its best (still falling, or flat, at its end), so its final weights are at least
     as good and are the ones read."""
-    from voxdiff.convergence import best_point
+    from voxdiff.analysis.convergence import best_point
 
     best = best_point([h["val_loss"] for h in state.get("history", []) if h.get("val_loss") is not None])
     return best is not None and best.at_end
@@ -494,7 +494,7 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     for key in ("samples", "metrics", "plots"):
         check_writable(out[key])
 
-    from voxdiff.training.distributed import configure_backends, pick_device
+    from voxdiff.runtime.distributed import configure_backends, pick_device
 
     device = pick_device(params.train.device)
     configure_backends(device, params.train.tf32, params.train.deterministic)  # CUDA only: as training ran

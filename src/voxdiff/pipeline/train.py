@@ -11,15 +11,16 @@ from pathlib import Path
 
 import torch
 
-from voxdiff import stopping
-from voxdiff.training import checkpoint, plan, posthoc_ema
+from voxdiff.runtime import stopping
+from voxdiff.pipeline import plan
+from voxdiff.training import checkpoint, posthoc_ema
 
-from voxdiff.codehash import training_code_hash
+from voxdiff.runtime.codehash import training_code_hash
 from voxdiff.report import plots
 from voxdiff.data.cache import open_cache
-from voxdiff.training.distributed import Runtime, configure_backends, init_runtime, shutdown
-from voxdiff.errors import VoxdiffError, echo
-from voxdiff.fsutil import write_json, write_text
+from voxdiff.runtime.distributed import Runtime, configure_backends, init_runtime, shutdown
+from voxdiff.runtime.errors import VoxdiffError, echo
+from voxdiff.runtime.fsutil import write_json, write_text
 from voxdiff.params import Params
 from voxdiff.training.schedule import due_in_samples, ema_rampup_end
 from voxdiff.training.trainer import Trainer, due
@@ -52,7 +53,7 @@ def say(rt: Runtime, msg: str) -> None:
 def run_training(params: Params, root: Path, progress: bool | None = None, restart: bool = False) -> dict:
     """Train to the budget in params.yaml, resuming an unfinished run of the same configuration.
     restart (or VOXDIFF_RESTART=1): train from scratch whatever models/checkpoint.pt holds.
-    SIGTERM and Ctrl-C are deferred from the start (voxdiff.stopping; the stage entry and the CLI defer them
+    SIGTERM and Ctrl-C are deferred from the start (voxdiff.runtime.stopping; the stage entry and the CLI defer them
     earlier still, before the heavy imports) and honoured at a window boundary."""
     stopping.defer()
     try:
@@ -317,7 +318,7 @@ def stops_early(trainer: Trainer, rt: Runtime, before: int, last: bool) -> bool:
         trainer.best.observe(c.history)
         stop = not last and trainer.best.should_stop(c.samples_seen)
     if rt.world_size > 1:
-        from voxdiff.training.distributed import all_reduce_sum
+        from voxdiff.runtime.distributed import all_reduce_sum
 
         stop = all_reduce_sum([float(stop)], rt)[0] > 0
     return stop
@@ -345,7 +346,7 @@ def summarize(trainer: Trainer, params: Params, rt: Runtime, tracker, run_id: st
     """The run's figures (metrics/train_detail.json; train.json holds a few). revalidate: the measurement
     settings the run was trained with, when its validation draws (train.val_seed / val_draws) changed
     after training: the final val loss is measured again with the draws in force now."""
-    from voxdiff.fsutil import sha256_file
+    from voxdiff.runtime.fsutil import sha256_file
 
     c, b = trainer.counters, trainer.budget
     val = [h for h in c.history if h["val_loss"] is not None]
@@ -392,7 +393,7 @@ def plateau_figures(steps: list[int], losses: list[float]) -> dict:
     """The plateau criterion (convergence.py): the val loss's relative change over the last quarter of
     the run's optimizer steps, the verdict (plateau_reached 1 only at a plateau: a run past its best, risen
     or settled above its own best, is plateau_past_best 1 and never at a plateau), and the level."""
-    from voxdiff import convergence
+    from voxdiff.analysis import convergence
 
     change, level = convergence.plateau_change(steps, losses), convergence.plateau_level(steps, losses)
     verdict = convergence.judge_plateau(change, level, losses)
@@ -408,7 +409,7 @@ def own_best_figures(val: list[dict]) -> dict:
     own-best table): the lowest mean of consecutive validations, the step and samples at its centre, and
     1 when that window is the last (still at its lowest at the end: the level is an upper bound). None
     with fewer validations than the window."""
-    from voxdiff import convergence
+    from voxdiff.analysis import convergence
 
     best = convergence.best_point([h["val_loss"] for h in val])
     if best is None:
@@ -472,7 +473,7 @@ class GracefulInterrupt:
     then. A repeated SIGTERM only repeats the request: launchers send it more than once (a process-group
     SIGTERM reaches a torchrun worker directly and again as torchrun forwards it; SLURM signals every
     process of the step), and acting on the second one killed the process before its save; the grace ends
-    with the launcher's SIGKILL. A stop noted while the process started up (voxdiff.stopping) counts as
+    with the launcher's SIGKILL. A stop noted while the process started up (voxdiff.runtime.stopping) counts as
     requested. Under DDP the flag is summed over ranks, so all ranks stop at the same step.
     """
 
@@ -506,7 +507,7 @@ class GracefulInterrupt:
     def requested(self, rt: Runtime) -> bool:
         if rt.world_size == 1:
             return self.flag
-        from voxdiff.training.distributed import all_reduce_sum
+        from voxdiff.runtime.distributed import all_reduce_sum
 
         return all_reduce_sum([float(self.flag)], rt)[0] > 0
 

@@ -1,6 +1,6 @@
 """Stop requests (SIGTERM, Ctrl-C) that arrive while a training starts up.
 
-The training loop defers a stop to the end of the optimizer step (training.train.GracefulInterrupt). Before
+The training loop defers a stop to the end of the optimizer step (pipeline.train.GracefulInterrupt). Before
 the loop, the train stage imports torch and MONAI, opens the data and the checkpoint and starts its MLflow
 run: seconds on an idle machine, a minute or more on a loaded one. A SIGTERM then took its default action:
 the process ended without a word, its MLflow run left RUNNING (issue 36 item 11: a SIGTERM 12 s after
