@@ -7,7 +7,6 @@ informational lines), "why" (a measured explanation, shown when missed)}.
 from __future__ import annotations
 
 import itertools
-import math
 import tempfile
 import time
 from pathlib import Path

@@ -510,16 +510,7 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
     metrics.update(eval_checkpoint=which, eval_checkpoint_step=weights["step"],
                    eval_checkpoint_samples_seen=weights["samples_seen"])
     if which == "best":  # the final weights beside them (same figures when the best point is the end)
-        if weights["step"] == state["step"]:
-            final = {k: v for k, v in metrics.items() if k.startswith("eval_")}
-        else:
-            final_net, _, _ = sampling.load_ema_network(state, device, source=out["checkpoint"],
-                                                        num_classes=cache.num_classes)
-            final = evaluate_network(final_net, diff_p, setting)[1]
-        metrics.update({f"eval_final_{k[len('eval_'):]}": v for k, v in final.items()
-                        if k.startswith("eval_") and k not in ("eval_checkpoint", "eval_checkpoint_step",
-                                                               "eval_checkpoint_samples_seen")})
-        metrics.update(eval_final_checkpoint_step=int(state["step"]))
+        metrics.update(final_weights_metrics(metrics, diff_p, setting, weights))
     # Segmentation Dice of the evaluated weights' samples: label fidelity and train-on-synthetic (segmenter.py).
     from voxdiff.evaluation import segmenter
 
@@ -529,8 +520,28 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
         segmenter.ddim_generator(net, diff_p, cache.num_classes, ev.tstr_sampling_steps or ev.sampling_steps,
                                  params.seed, autocast)))
     metrics = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    write_evaluation(params, root, out, state, cache, subjects, metrics)
+    return metrics
 
-    # 3. Outputs: each written whole, then MLflow.
+
+def final_weights_metrics(best: dict, diff_p, setting: EvalSetting, weights: dict) -> dict:
+    """eval_final_*: the figures of the run's final weights, evaluated as the best point's were (the best point's
+    own figures again when it is the end)."""
+    state = setting.state
+    if weights["step"] == state["step"]:
+        final = {k: v for k, v in best.items() if k.startswith("eval_")}
+    else:
+        final_net, _, _ = sampling.load_ema_network(state, setting.device, source=setting.source,
+                                                    num_classes=setting.cache.num_classes)
+        final = evaluate_network(final_net, diff_p, setting)[1]
+    skip = ("eval_checkpoint", "eval_checkpoint_step", "eval_checkpoint_samples_seen")
+    return {**{f"eval_final_{k[len('eval_'):]}": v for k, v in final.items() if k.startswith("eval_") and k not in skip},
+            "eval_final_checkpoint_step": int(state["step"])}
+
+
+def write_evaluation(params: Params, root: Path, out: dict, state: dict, cache: ProcessedCache, subjects: list[dict],
+                     metrics: dict) -> None:
+    """The outputs, each written whole (samples/, plots/eval/, metrics/), then the MLflow run, then one line."""
     names, _ = class_keys(params, list(cache.label_values))
     write_samples(out["samples"], subjects, cache)
     write_montages(out["plots"], subjects, names)
@@ -544,7 +555,6 @@ def run_evaluate(params: Params, root, progress: bool | None = None) -> dict:
         f"diversity MS-SSIM {_fmt(metrics['eval_msssim_samples'], 3)} (the data's own: "
         f"{_fmt(metrics.get('eval_diversity_reference'), 3)}), "
         f"{metrics['eval_seconds_per_volume']:.2f} s/volume -> {out['detail']}")
-    return metrics
 
 
 def beats_floors(m: dict) -> bool:

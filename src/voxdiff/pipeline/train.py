@@ -11,22 +11,21 @@ from pathlib import Path
 
 import torch
 
-from voxdiff.runtime import stopping
-from voxdiff.pipeline import plan
-from voxdiff.training import checkpoint, posthoc_ema
-
-from voxdiff.runtime.codehash import training_code_hash
-from voxdiff.report import plots
 from voxdiff.data.cache import open_cache
+from voxdiff.params import Params
+from voxdiff.pipeline import plan
+from voxdiff.report import plots
+from voxdiff.runtime import stopping
+from voxdiff.runtime.codehash import training_code_hash
 from voxdiff.runtime.distributed import Runtime, configure_backends, init_runtime, shutdown
 from voxdiff.runtime.errors import VoxdiffError, echo
 from voxdiff.runtime.fsutil import write_json, write_text
-from voxdiff.params import Params
-from voxdiff.training.schedule import due_in_samples, ema_rampup_end
-from voxdiff.training.trainer import Trainer, due
+from voxdiff.tracking import dvc_metrics
 from voxdiff.tracking.runs import RunTracker
 from voxdiff.tracking.views import publish_training_view
-from voxdiff.tracking import dvc_metrics
+from voxdiff.training import checkpoint, posthoc_ema
+from voxdiff.training.schedule import due_in_samples, ema_rampup_end
+from voxdiff.training.trainer import Trainer, due
 
 TRAIN_COLUMNS = ("step", "samples_seen", "wall_time", "train_loss", "lr", "grad_norm", "clip_fraction", "gns",
                  "ema_halflife", "samples_per_s")
@@ -82,8 +81,44 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
     if rt.device.type == "cuda":  # before any weight is on the GPU: a step that cannot fit is refused in one line
         plan.check_gpu_memory(params, rt.device, cache.num_classes, rt.world_size, rt.precision)
     trainer = Trainer(params, root, rt, cache)
-    budget = trainer.budget
-    # Refuses (one line naming what changed) rather than train over an unfinished run of other settings.
+    state, changed = resume(trainer, out, rt, restart)
+    if state is not None and state.get("finished"):
+        return rewrite_finished(trainer, state, changed, out, root)
+    if rt.is_main:  # up front and cheap (arithmetic and statvfs): refuse a run the disk cannot hold
+        plan.check_disk(plan.disk_needs(params, root, plan.network_sizes(trainer.net),
+                                        plan.count_events(params.train, rt.world_size, trainer.counters.step),
+                                        fresh_start=state is None))
+    announce(trainer)
+    tracker = start_tracker(trainer, cache, state, root) if rt.is_main else None
+
+    def save(finished: bool) -> None:
+        if rt.is_main:
+            checkpoint.save(out["checkpoint"], trainer.state(finished, tracker.run_id if tracker else None))
+            if tracker:
+                tracker.log_history(trainer.counters.history)
+
+    train_to_budget(trainer, cache, tracker, save, resumed=state is not None, progress=progress)
+    try:
+        save(finished=True)
+        summary = summarize(trainer, params, rt, tracker) if rt.is_main else {}  # validation ran on rank 0 only
+        if rt.is_main:
+            write_outputs(out, trainer, summary)
+            if tracker:
+                log_final(tracker, trainer, summary, out, root)
+    except BaseException as e:  # e.g. ENOSPC writing the outputs: the run must not stay RUNNING
+        if tracker:
+            tracker.finish(RunTracker.status_for(e))
+        raise
+    if rt.is_main:
+        say(rt, f"done: val_loss {summary['final_val_loss']:.4f}, {summary['total_samples']} samples in "
+                f"{summary['total_wall_time']:.0f} s ({summary['samples_per_s']:.2f} samples/s)")
+    return summary
+
+
+def resume(trainer: Trainer, out: dict[str, Path], rt: Runtime, restart: bool) -> tuple[dict | None, list[str]]:
+    """The checkpoint's state when it holds this configuration's run (None: start fresh), restored into the
+    trainer, and the measurement keys that changed since (they never touch the weights). Refuses, in one line
+    naming what changed, rather than train over an unfinished run of other settings."""
     state, why = checkpoint.resumable(out["checkpoint"], trainer.fingerprint_parts(), restart)
     say(rt, why)
     changed = []
@@ -108,56 +143,61 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
             # models/phema is a declared DVC output that the DVC cache does not hold (a finished run
             # pulled or applied elsewhere): an empty folder lets the stage finish as "nothing to train".
             trainer.phema.folder.mkdir(parents=True, exist_ok=True)
-    if state is not None and state.get("finished"):
-        # DVC reran the stage for a change that does not touch training (e.g. another stage's code):
-        # the finished model stands; rewrite the stage's other outputs from it.
-        say(rt, f"nothing to train: outputs rewritten from it (delete {out['checkpoint'].relative_to(root)} "
-                "to train this configuration again)")
-        redrawn = bool({"val_seed", "val_draws"} & set(changed))
-        summary = summarize(trainer, params, rt, None, run_id=state.get("mlflow_run_id", ""),
-                            revalidate=state["measurement"] if redrawn else None)
-        if rt.is_main:
-            write_outputs(out, trainer, summary)
-            tracker = RunTracker.reopen(params, root, summary["mlflow_run_id"])
-            if tracker:  # an MLflow outage may have kept steps, the summary or the end from it
-                log_final(tracker, trainer, summary, out, root)
-        return summary
-    if rt.is_main:  # up front and cheap (arithmetic and statvfs): refuse a run the disk cannot hold
-        plan.check_disk(plan.disk_needs(params, root, plan.network_sizes(trainer.net),
-                                        plan.count_events(params.train, rt.world_size, trainer.counters.step),
-                                        fresh_start=state is None))
+    return state, changed
+
+
+def rewrite_finished(trainer: Trainer, state: dict, changed: list[str], out: dict[str, Path], root: Path) -> dict:
+    """DVC reran the stage for a change that does not touch training (e.g. another stage's code, or tracking):
+    the finished model stands; the stage's other outputs are rewritten from it."""
+    rt, params = trainer.rt, trainer.p
+    say(rt, f"nothing to train: outputs rewritten from it (delete {out['checkpoint'].relative_to(root)} "
+            "to train this configuration again)")
+    redrawn = bool({"val_seed", "val_draws"} & set(changed))
+    summary = summarize(trainer, params, rt, None, run_id=state.get("mlflow_run_id", ""),
+                        revalidate=state["measurement"] if redrawn else None)
+    if rt.is_main:
+        write_outputs(out, trainer, summary)
+        tracker = RunTracker.reopen(params, root, summary["mlflow_run_id"])
+        if tracker:  # an MLflow outage may have kept steps, the summary or the end from it
+            log_final(tracker, trainer, summary, out, root)
+    return summary
+
+
+def announce(trainer: Trainer) -> None:
+    """What is about to run: device, batch arithmetic, budget, why no noise scale, the EMA's ramp-up."""
+    rt, params, budget = trainer.rt, trainer.p, trainer.budget
     say(rt, f"device {rt.device}, precision {rt.precision}, world size {rt.world_size}; micro-batch "
             f"{budget.micro_batch} x accumulate_every {budget.accumulate_every} x {rt.world_size} = effective "
             f"batch {budget.effective_batch}; {budget.total_steps} steps, {budget.total_samples} samples")
     if trainer.gns_reason:
         say(rt, trainer.gns_reason)
-    adam = trainer.adam
     ramp = ema_rampup_end(params.train)
     say(rt, f"EMA half-life {params.train.ema_halflife_samples:g} samples, reached after {ramp:.0f} samples "
             f"({100 * ramp / budget.total_samples:.0f} % of the budget)" + (
             "; raise train.ema_rampup_ratio or lower train.ema_halflife_samples: the ramp-up is most of the run"
             if ramp > budget.total_samples / 2 else ""))
 
-    tracker = None
-    if rt.is_main:
-        tracker = RunTracker.start(
-            params, root, resume_run_id=state["mlflow_run_id"] if state else "",
-            tags={"voxdiff.data_fingerprint": cache.fingerprint, "voxdiff.device": str(rt.device),
-                  "voxdiff.code_hash": training_code_hash(),
-                  "voxdiff.world_size": rt.world_size, "voxdiff.precision": rt.precision},
-            extra_params={"effective_batch_size": budget.effective_batch, "world_size": rt.world_size,
-                          "effective_lr": adam.lr, "effective_adam_beta1": adam.betas[0],
-                          "effective_adam_beta2": adam.betas[1], "effective_adam_eps": adam.eps,
-                          "ema_rampup_end_samples": ema_rampup_end(params.train),
-                          "precision_resolved": rt.precision, "device_resolved": str(rt.device)})
 
-    def save(finished: bool) -> None:
-        if rt.is_main:
-            checkpoint.save(out["checkpoint"], trainer.state(finished, tracker.run_id if tracker else None))
-            if tracker:
-                tracker.log_history(trainer.counters.history)
+def start_tracker(trainer: Trainer, cache, state: dict | None, root: Path) -> RunTracker | None:
+    """The MLflow run (rank 0): a new one, or the checkpoint's reopened on resume; None during an outage."""
+    rt, params, budget, adam = trainer.rt, trainer.p, trainer.budget, trainer.adam
+    return RunTracker.start(
+        params, root, resume_run_id=state["mlflow_run_id"] if state else "",
+        tags={"voxdiff.data_fingerprint": cache.fingerprint, "voxdiff.device": str(rt.device),
+              "voxdiff.code_hash": training_code_hash(),
+              "voxdiff.world_size": rt.world_size, "voxdiff.precision": rt.precision},
+        extra_params={"effective_batch_size": budget.effective_batch, "world_size": rt.world_size,
+                      "effective_lr": adam.lr, "effective_adam_beta1": adam.betas[0],
+                      "effective_adam_beta2": adam.betas[1], "effective_adam_eps": adam.eps,
+                      "ema_rampup_end_samples": ema_rampup_end(params.train),
+                      "precision_resolved": rt.precision, "device_resolved": str(rt.device)})
 
-    c = trainer.counters
+
+def train_to_budget(trainer: Trainer, cache, tracker: RunTracker | None, save, resumed: bool,
+                    progress: bool | None) -> None:
+    """The loop, in optimizer steps to the budget (or an early stop), saving every train.checkpoint_every steps.
+    Every way out but the budget's end ends the MLflow run (KILLED or FAILED) and re-raises."""
+    rt, params, budget, c = trainer.rt, trainer.p, trainer.budget, trainer.counters
     first_step = c.step  # a stop before this process's first step has nothing new to save
     monitor = bar = None
     interrupt = GracefulInterrupt()  # bound before the try: its except reads interrupt.at_boundary
@@ -207,7 +247,7 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
         try:
             if interrupt.at_boundary and c.step == first_step:
                 say(rt, "stopped before this process's first step: nothing new to save" + (
-                    f" (the checkpoint at step {c.step} stands)" if state is not None else " (nothing trained yet)"))
+                    f" (the checkpoint at step {c.step} stands)" if resumed else " (nothing trained yet)"))
             elif interrupt.at_boundary:
                 save(finished=False)
                 say(rt, f"interrupted: checkpoint saved at step {c.step}; rerun the stage to resume")
@@ -227,22 +267,6 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
             bar.close()
         if monitor is not None:
             monitor.finish()
-
-    try:
-        save(finished=True)
-        summary = summarize(trainer, params, rt, tracker) if rt.is_main else {}  # validation ran on rank 0 only
-        if rt.is_main:
-            write_outputs(out, trainer, summary)
-            if tracker:
-                log_final(tracker, trainer, summary, out, root)
-    except BaseException as e:  # e.g. ENOSPC writing the outputs: the run must not stay RUNNING
-        if tracker:
-            tracker.finish(RunTracker.status_for(e))
-        raise
-    if rt.is_main:
-        say(rt, f"done: val_loss {summary['final_val_loss']:.4f}, {summary['total_samples']} samples in "
-                f"{summary['total_wall_time']:.0f} s ({summary['samples_per_s']:.2f} samples/s)")
-    return summary
 
 
 def log_final(tracker: RunTracker, trainer: Trainer, summary: dict, out: dict[str, Path], root: Path) -> None:
