@@ -211,6 +211,40 @@ def pytest_xdist_auto_num_workers(config):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _mlflow_schema_built_once(tmp_path_factory):
+    """Every test's private SQLite store starts with MLflow's schema replayed from one store per worker that MLflow's
+    own migrations built. MLflow builds a new store by running its alembic migrations, about 1.5-2 s of CPU each,
+    and the suite opens a new store in each of its 65+ trainings. The schema, the alembic revision and what MLflow
+    then writes (the default experiment, the runs) are the same; the migrations themselves still run here once per
+    worker, and in every subprocess the end-to-end tests start (stages, `mlflow server`)."""
+    import sqlite3
+
+    import mlflow.store.db.utils as db_utils
+    import sqlalchemy
+
+    migrate = db_utils._initialize_tables
+    template = tmp_path_factory.mktemp("mlflow-schema") / "schema.db"
+    engine = sqlalchemy.create_engine(f"sqlite:///{template}")
+    migrate(engine)
+    engine.dispose()
+    with sqlite3.connect(template) as db:
+        script = "\n".join(db.iterdump())
+
+    def replay(engine) -> None:
+        if engine.dialect.name != "sqlite":
+            return migrate(engine)
+        raw = engine.raw_connection()
+        try:
+            raw.driver_connection.executescript(script)
+        finally:
+            raw.close()
+
+    db_utils._initialize_tables = replay
+    yield
+    db_utils._initialize_tables = migrate
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _one_thread_from_the_start():
     """One torch thread before any module fixture trains (those are set up before _quiet_threads runs)."""
     import torch
