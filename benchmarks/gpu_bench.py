@@ -28,7 +28,6 @@ take minutes to synthesise and preprocess at 1.5 mm.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import gc
 import json
@@ -42,6 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+
+from harness import with_overrides
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -98,19 +99,6 @@ def synth_cache(root: Path, shape: int, n_train: int = 4, n_val: int = 2, classe
                               "affine": np.diag([1.5, 1.5, 1.5, 1.0]).tolist()} for i in range(n)]}
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
-
-
-def with_overrides(raw: dict, overrides: dict) -> dict:
-    raw = copy.deepcopy(raw)
-    for key, value in overrides.items():
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        if leaf not in node:
-            raise KeyError(f"unknown params key {key}")
-        node[leaf] = value
-    return raw
 
 
 class Bench:

@@ -12,6 +12,7 @@ import numpy as np
 
 from voxdiff.advise.fit import BranchCurve, BranchFit, Candidate, CurrentCost, Setting, SpeedRow, Verdict
 from voxdiff.runtime.fsutil import atomic_path, write_text
+from voxdiff.tracking.runs import end_with_batch
 
 
 @dataclasses.dataclass
@@ -373,15 +374,8 @@ def log_run(a: Advice, uri: str, experiment_id: str, files: list[Path], options:
     import time
 
     ts = int(time.time() * 1000)
-    try:
-        client.log_batch(rid, metrics=[Metric(k, float(v), ts, 0) for k, v in values.items() if v is not None],
-                         params=[Param(k, str(v)[:6000]) for k, v in options.items()],
-                         tags=[RunTag("voxdiff.trusted", a.verdict.trusted),
-                               RunTag("voxdiff.b_crit_branch_status", a.branch.status)])
-        for f in files:
-            client.log_artifact(rid, str(f))
-    except Exception:
-        client.set_terminated(rid, "FAILED")
-        raise
-    client.set_terminated(rid, "FINISHED")
-    return rid
+    return end_with_batch(client, rid, files,
+                          metrics=[Metric(k, float(v), ts, 0) for k, v in values.items() if v is not None],
+                          params=[Param(k, str(v)[:6000]) for k, v in options.items()],
+                          tags=[RunTag("voxdiff.trusted", a.verdict.trusted),
+                                RunTag("voxdiff.b_crit_branch_status", a.branch.status)])

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from voxdiff.runtime.errors import VoxdiffError
+from voxdiff.tracking.runs import end_with_batch
 from voxdiff.runtime.fsutil import project_relative, project_root, write_text
 from voxdiff.report.loading import (RUN_ID, THIN_ABOVE_ROWS, find_training_runs, load_run, open_client,
                                     read_archive, write_archive)
@@ -67,16 +68,9 @@ def log_report(client, experiment_id: str, group_by: str, filter_string: str | N
     run = client.create_run(experiment_id, run_name=f"compare {group_by}",
                             tags={"voxdiff.kind": "compare", "voxdiff.compared_runs": ids})
     rid = run.info.run_id
-    try:
-        client.log_batch(rid, params=[Param("group_by", group_by), Param("filter", filter_string or ""),
-                                      Param("target_val_loss", "" if target is None else f"{target:.6g}")])
-        for f in files:
-            client.log_artifact(rid, str(f))
-    except Exception:
-        client.set_terminated(rid, "FAILED")
-        raise
-    client.set_terminated(rid, "FINISHED")
-    return rid
+    return end_with_batch(client, rid, files,
+                          params=[Param("group_by", group_by), Param("filter", filter_string or ""),
+                                  Param("target_val_loss", "" if target is None else f"{target:.6g}")])
 
 
 def compare_runs(tracking_uri: str | None, experiment: str | None, out_path: str | os.PathLike,

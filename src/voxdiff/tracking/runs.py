@@ -506,3 +506,18 @@ def open_existing(params: Params, root: Path, run_id: str) -> RunTracker | None:
     except Exception as e:
         warnings.warn(f"MLflow run {run_id} not reachable at {uri} ({type(e).__name__}); evaluation is not logged there")
         return None
+
+
+def end_with_batch(client, run_id: str, files, **batch) -> str:
+    """Log one batch (metrics, params, tags: MlflowClient.log_batch's keywords) and the files as artifacts to an open
+    run, then end it: FINISHED, or FAILED when either fails (the error is raised). The run of `voxdiff compare`
+    and of `voxdiff advise`. Returns run_id."""
+    try:
+        client.log_batch(run_id, **batch)
+        for f in files:
+            client.log_artifact(run_id, str(f))
+    except Exception:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
