@@ -99,6 +99,19 @@ def write_tiny_cache(root: Path, n_train: int = 4, n_val: int = 2, shape=(16, 16
     return out
 
 
+def uninterrupted_run(tiny_root: Path, folder: Path, params) -> dict:
+    """The checkpoint of a run trained to its end without a stop, in `folder` (sharing tiny_root's data): what a
+    stopped and resumed run must equal."""
+    import torch
+
+    from voxdiff.pipeline.train import run_training
+
+    folder.mkdir()
+    (folder / "data").symlink_to(tiny_root / "data")
+    run_training(params, folder, progress=False)
+    return torch.load(folder / "models" / "checkpoint.pt", weights_only=True)
+
+
 @pytest.fixture
 def tiny_root(tmp_path, monkeypatch):
     """A project root with a tiny cache and a private MLflow store."""

@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from conftest import make_params
+from conftest import make_params, uninterrupted_run
 from voxdiff.runtime import codehash
 from voxdiff.data.cache import open_cache
 from voxdiff.runtime.errors import ParamsError, TrainingDiverged, VoxdiffError
@@ -317,11 +317,7 @@ def test_changed_phema_settings_resume_the_run_with_its_own_profiles(tiny_root, 
     snapshots folder holds exactly the snapshots the checkpoint lists, taken at the new cadence from the resume
     on; the weights are those of an uninterrupted run."""
     cfg = {**SHORT, "train.phema_sigma_rels": [0.05, 0.1], "train.phema_snapshots": 4}
-    ref_root = tmp_path / "ref"
-    ref_root.mkdir()
-    (ref_root / "data").symlink_to(tiny_root / "data")
-    run_training(make_params(cfg), ref_root, progress=False)
-    ref = checkpoint(ref_root)
+    ref = uninterrupted_run(tiny_root, tmp_path / "ref", make_params(cfg))
 
     real_step = Trainer.train_step
     monkeypatch.setattr(Trainer, "train_step", lambda self: (_ for _ in ()).throw(KeyboardInterrupt)
@@ -387,11 +383,7 @@ def test_checkpoints_are_fsynced(tiny_root, monkeypatch):
 # --- item 11: SIGTERM stops at the end of the step, with a checkpoint ----------------------------------
 def test_sigterm_saves_at_the_window_boundary_and_resumes_exactly(tiny_root, tmp_path, monkeypatch):
     cfg = {**SHORT, "train.max_samples": 12, "train.checkpoint_every": 100}  # no periodic checkpoints at all
-    ref_root = tmp_path / "ref"
-    ref_root.mkdir()
-    (ref_root / "data").symlink_to(tiny_root / "data")
-    run_training(make_params(cfg), ref_root, progress=False)
-    ref = checkpoint(ref_root)
+    ref = uninterrupted_run(tiny_root, tmp_path / "ref", make_params(cfg))
 
     real_step = Trainer.train_step
 

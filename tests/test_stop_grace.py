@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_params
+from conftest import make_params, uninterrupted_run
 from voxdiff.pipeline import plan
 from voxdiff.pipeline.train import run_training
 from voxdiff.training.trainer import Trainer
@@ -41,11 +41,7 @@ def test_a_stop_skips_validation_and_probe_and_saves_within_the_plans_estimate(t
     from voxdiff.runtime.distributed import init_runtime
 
     p = make_params(SLOW_EVENTS)
-    ref_root = tmp_path / "ref"
-    ref_root.mkdir()
-    (ref_root / "data").symlink_to(tiny_root / "data")
-    run_training(p, ref_root, progress=False)
-    ref = checkpoint(ref_root)
+    ref = uninterrupted_run(tiny_root, tmp_path / "ref", p)
     assert "gns_marginal" in ref["history"][1] and ref["history"][1]["val_loss"] is not None  # both due at step 2
 
     rt = init_runtime("cpu", "fp32")

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, make_params
+from conftest import REPO, make_params, uninterrupted_run
 from voxdiff.training import trainer as trainer_mod
 from voxdiff.data.cache import open_cache
 from voxdiff.runtime.distributed import init_runtime
@@ -171,11 +171,7 @@ def test_ctrl_c_during_validation_resumes_exactly(tiny_root, tmp_path, monkeypat
     saves, stops; the rerun resumes and ends with the same weights and history as an uninterrupted run."""
     cfg = {"train.max_samples": 24, "train.batch_size": 1, "train.accumulate_every": 2,
            "train.val_every_samples": 4, "train.checkpoint_every": 100}
-    ref_root = tmp_path / "ref"
-    ref_root.mkdir()
-    (ref_root / "data").symlink_to(tiny_root / "data")
-    run_training(make_params(cfg), ref_root, progress=False)
-    ref = torch.load(ref_root / "models" / "checkpoint.pt", weights_only=True)
+    ref = uninterrupted_run(tiny_root, tmp_path / "ref", make_params(cfg))
 
     real_validation = Trainer.validation_loss
     calls = {"n": 0}
@@ -210,11 +206,7 @@ def test_second_ctrl_c_mid_step_keeps_the_last_good_checkpoint(tiny_root, tmp_pa
     twice), and the rerun must end bit for bit where an uninterrupted run ends."""
     cfg = {"train.max_samples": 12, "train.batch_size": 1, "train.accumulate_every": 2,
            "train.val_every_samples": 4, "train.checkpoint_every": 2}
-    ref_root = tmp_path / "ref"
-    ref_root.mkdir()
-    (ref_root / "data").symlink_to(tiny_root / "data")
-    run_training(make_params(cfg), ref_root, progress=False)
-    ref = torch.load(ref_root / "models" / "checkpoint.pt", weights_only=True)
+    ref = uninterrupted_run(tiny_root, tmp_path / "ref", make_params(cfg))
 
     ckpt = tiny_root / "models" / "checkpoint.pt"
     real_step = Trainer.optimizer_step
