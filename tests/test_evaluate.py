@@ -245,6 +245,37 @@ def test_sampler_is_seeded_and_independent_of_batching(project):
     assert record[0]["steps"] == 50 and record[0]["seconds"] > 0 and record[0]["peak_memory_mb"] > 0
 
 
+def test_ddim_eta_draws_fresh_seeded_noise_per_volume(project):
+    """evaluate.ddim_eta > 0: each step adds noise drawn from the RNG seeded by (seed, subject, volume), so the volumes
+    are reproducible, volume k of a batch is volume k alone bit for bit, they differ from eta 0's (negative control:
+    eta 0 given explicitly is the default's output), and the caller's RNG is left alone; eta outside [0, 1] is refused."""
+    from voxdiff.training import checkpoint
+    from voxdiff.diffusion import sampling
+    from voxdiff.data.cache import open_cache
+    from voxdiff.runtime.errors import VoxdiffError
+
+    root, _, _ = project
+    net, _, diff = sampling.load_ema_network(checkpoint.load(root / "models" / "checkpoint.pt"), torch.device("cpu"))
+    cache = open_cache(root / "data" / "processed")
+    label = torch.from_numpy(np.asarray(cache.labels[int(cache.split_indices("val")[0])], np.int64))[None]
+
+    def ddim(eta, labels=label, seed=7, k=0, record=None):
+        return sampling.generate(net, diff, labels, 3, 5, seed, "ddim", progress=False, subject=2, sample_index=k,
+                                 eta=eta, record=record)
+
+    assert torch.equal(ddim(0.0), sampling.generate(net, diff, label, 3, 5, 7, "ddim", progress=False, subject=2))
+    rng = torch.get_rng_state()
+    record: list = []
+    a = ddim(1.0, record=record)
+    assert torch.equal(torch.get_rng_state(), rng) and record[0]["eta"] == 1.0
+    assert torch.equal(a, ddim(1.0)) and (a - ddim(0.0)).abs().max() > 0.01 and (a - ddim(1.0, seed=8)).abs().max() > 0.1
+    both = ddim(1.0, label.expand(2, -1, -1, -1))
+    assert torch.equal(both[0], a[0]) and torch.equal(both[1], ddim(1.0, k=1)[0]) and not torch.equal(both[0], both[1])
+    for bad in (-0.1, 1.5):
+        with pytest.raises(VoxdiffError, match="eta must be in"):
+            ddim(bad)
+
+
 class Oracle(torch.nn.Module):
     """Predicts the exact noise for x0 = a fixed intensity per class (read from the one-hot channels)."""
 
@@ -272,9 +303,9 @@ def test_samplers_recover_the_image_with_a_perfect_denoiser():
     labels = torch.zeros(1, 8, 8, 8, dtype=torch.long)
     labels[:, 2:6, 2:6, 2:6], labels[:, 3:5, 3:5, 3:5] = 1, 2
     want = torch.tensor(values)[labels][:, None]
-    for sampler in ("ddim", "ancestral"):
-        got = sampling.generate(oracle, diff, labels, 3, 7, 0, sampler, progress=False)
-        assert torch.allclose(got, want, atol=1e-4), sampler
+    for sampler, eta in (("ddim", 0.0), ("ancestral", 0.0), ("ddim", 0.5), ("ddim", 1.0)):
+        got = sampling.generate(oracle, diff, labels, 3, 7, 0, sampler, progress=False, eta=eta)
+        assert torch.allclose(got, want, atol=1e-4), (sampler, eta)
 
 
 def test_incompatible_checkpoints_are_refused_in_one_line(project):

@@ -194,6 +194,8 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "subjects": integer(0),
         "samples_per_condition": integer(1),
         "sampling_steps": integer(1),
+        "sampler": choice("ddim", "ancestral"),
+        "ddim_eta": number(0.0, 1.0),
         "ancestral": boolean,
         "checkpoint": choice("best", "final"),
         "segmenter_steps": integer(0),
@@ -325,6 +327,8 @@ class Evaluate:
     subjects: int
     samples_per_condition: int
     sampling_steps: int
+    sampler: str                  # ddim | ancestral: the sampler of the samples_per_condition volumes
+    ddim_eta: float               # DDIM's eta (0 = deterministic given the starting noise)
     ancestral: bool
     checkpoint: str
     segmenter_steps: int          # Segmentation Dice (evaluation/segmenter.py); 0 = off

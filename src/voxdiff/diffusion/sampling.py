@@ -181,9 +181,13 @@ def _schedule_ddim():
                 raise ValueError(f"timestep {t} is not one of the {len(self.previous)} scheduled DDIM timesteps")
             return self.previous[t]
 
-        def step(self, model_output, timestep, sample, eta: float = 0.0, generator=None):
+        eta = 0.0  # DDIM's eta when step() is given none (MONAI's inferer never passes one): 0 = deterministic
+
+        def step(self, model_output, timestep, sample, eta: float | None = None, generator=None):
             """MONAI's DDIMScheduler.step (formulas 12 and 16 of the DDIM paper) with prev = the next
-            scheduled timestep; MONAI's step has no argument for it, so its body is restated here."""
+            scheduled timestep; MONAI's step has no argument for it, so its body is restated here. eta > 0
+            adds fresh noise at each step (eta 1: the variance of the ancestral sampler's posterior)."""
+            eta = self.eta if eta is None else eta
             prev = self.previous_timestep(timestep)
             a_t = self.alphas_cumprod[int(timestep)]
             a_prev = self.alphas_cumprod[prev] if prev >= 0 else self.final_alpha_cumprod
@@ -209,19 +213,20 @@ def _schedule_ddim():
     return ScheduleDDIM
 
 
-def ddim_scheduler(diffusion: Diffusion, steps: int):
+def ddim_scheduler(diffusion: Diffusion, steps: int, eta: float = 0.0):
     """The DDIM scheduler of the samplers (see ScheduleDDIM), `steps` capped at diffusion.timesteps."""
     ddim = _schedule_ddim()(num_train_timesteps=diffusion.timesteps, schedule=diffusion.schedule,
                             prediction_type=diffusion.prediction, clip_sample=True)
     ddim.set_timesteps(min(steps, diffusion.timesteps))
+    ddim.eta = eta
     return ddim
 
 
-def make_scheduler(diffusion: Diffusion, sampler: str, steps: int):
+def make_scheduler(diffusion: Diffusion, sampler: str, steps: int, eta: float = 0.0):
     from voxdiff.diffusion.model import build_scheduler
 
     if sampler == "ddim":
-        return ddim_scheduler(diffusion, steps)  # eta 0: DDIMScheduler.step's default, and the inferer's
+        return ddim_scheduler(diffusion, steps, eta)
     if sampler == "ancestral":
         return build_scheduler(diffusion)  # timesteps = the full training chain
     raise VoxdiffError(f"sampler must be one of {', '.join(SAMPLERS)}, not {sampler!r}")
@@ -252,7 +257,7 @@ class _StepCounter:
 @torch.no_grad()
 def generate(net, diffusion_params: Diffusion, labels_onehot_or_indices, num_classes: int, steps: int, seed: int,
              sampler: str = "ddim", progress: bool = True, subject: int = 0, sample_index: int = 0,
-             record: list | None = None, autocast=None) -> torch.Tensor:
+             record: list | None = None, autocast=None, eta: float = 0.0) -> torch.Tensor:
     """Sample one volume per label map: returns [B, 1, D, H, W] float32 on the CPU, in [-1, 1].
 
     Volume b is seeded by (seed, subject, sample_index + b). `steps` is the DDIM step count; the
@@ -262,24 +267,28 @@ def generate(net, diffusion_params: Diffusion, labels_onehot_or_indices, num_cla
 
     DDIM (eta 0) is deterministic given its starting noise, so the whole batch runs in one network
     call per step: on the CPU a batch of 2 is ~3x faster per volume than 2 batches of 1 (PyTorch picks
-    a slow convolution path for small batch-1 3D inputs). The ancestral sampler draws fresh noise from
-    the global RNG at every step, so it runs volume by volume to keep each volume's draws its own.
+    a slow convolution path for small batch-1 3D inputs). The ancestral sampler, and DDIM with `eta` > 0,
+    draw fresh noise from the global RNG at every step, so they run volume by volume, the RNG seeded by
+    (seed, subject, volume), to keep each volume's draws its own.
     """
+    if not 0.0 <= eta <= 1.0:
+        raise VoxdiffError(f"DDIM eta must be in [0, 1], not {eta}")
     condition = as_one_hot(labels_onehot_or_indices, num_classes)
-    groups = [list(range(condition.shape[0]))] if sampler == "ddim" else [[b] for b in range(condition.shape[0])]
+    stochastic = sampler == "ancestral" or eta > 0
+    groups = [[b] for b in range(condition.shape[0])] if stochastic else [list(range(condition.shape[0]))]
     out = [_sample_group(net, diffusion_params, condition, group, steps, seed, sampler, progress, subject,
-                         sample_index, record, autocast) for group in groups]
+                         sample_index, record, autocast, eta) for group in groups]
     return torch.cat(out)
 
 
 def _sample_group(net, diffusion_params, condition, group, steps, seed, sampler, progress, subject, sample_index,
-                  record, autocast):
+                  record, autocast, eta):
     from voxdiff.diffusion.model import build_inferer
 
     device = next(net.parameters()).device
     shape = tuple(condition.shape[2:])
     ks = [sample_index + b for b in group]
-    scheduler = make_scheduler(diffusion_params, sampler, steps)  # fresh: schedulers keep state
+    scheduler = make_scheduler(diffusion_params, sampler, steps, eta)  # fresh: schedulers keep state
     inferer = build_inferer(scheduler)
     n_steps = len(scheduler.timesteps)
     bar = None
@@ -295,7 +304,7 @@ def _sample_group(net, diffusion_params, condition, group, steps, seed, sampler,
     t0 = time.perf_counter()
     try:
         with torch.random.fork_rng(devices=devices):
-            if sampler == "ancestral":
+            if sampler == "ancestral" or eta > 0:
                 torch.manual_seed(stream_seed(seed, _STEPS, subject, ks[0]))
             noise = torch.cat([initial_noise(seed, subject, k, shape) for k in ks]).to(device)
             volume = inferer.sample(input_noise=noise, diffusion_model=_StepCounter(net, bar, autocast),
@@ -309,5 +318,5 @@ def _sample_group(net, diffusion_params, condition, group, steps, seed, sampler,
     seconds = (time.perf_counter() - t0) / len(group)
     if record is not None:
         record.extend({"seconds": seconds, "peak_memory_mb": peak_memory_mb(device), "steps": n_steps,
-                       "sampler": sampler} for _ in group)
+                       "sampler": sampler, "eta": eta if sampler == "ddim" else None} for _ in group)
     return volume.float().clamp(-1, 1).cpu()

@@ -37,6 +37,7 @@ Metrics (volumes in the cache's [-1, 1] scale; "brain" = label > 0):
   eval_seconds_per_volume, eval_peak_memory_mb (CUDA: peak allocated per volume; CPU: the process's
                            peak RSS) and, with evaluate.ancestral, the same for one ancestral sample
                            per subject plus eval_ssim_ancestral
+  eval_sampler, eval_ddim_eta  which sampler made the evaluated volumes (evaluate.sampler, evaluate.ddim_eta)
 """
 
 from __future__ import annotations
@@ -430,7 +431,9 @@ def evaluate_network(net, diff_p, setting: EvalSetting) -> tuple[list[dict], dic
     # 2. Sampling.
     K = ev.samples_per_condition
     total = len(rows) * (K + (1 if ev.ancestral else 0))
-    say(f"{len(rows)} validation subjects x {K} samples, DDIM {min(ev.sampling_steps, diff_p.timesteps)} steps"
+    main_sampler = (f"DDIM {min(ev.sampling_steps, diff_p.timesteps)} steps" + (f", eta {ev.ddim_eta:g}" if ev.ddim_eta else "")
+                    if ev.sampler == "ddim" else f"ancestral {diff_p.timesteps} steps")
+    say(f"{len(rows)} validation subjects x {K} samples, {main_sampler}"
         + (f", + 1 ancestral sample each ({diff_p.timesteps} steps)" if ev.ancestral else "")
         + f" on {device}; EMA val loss {val_loss:.4f}")
     from tqdm.auto import tqdm
@@ -443,9 +446,9 @@ def evaluate_network(net, diff_p, setting: EvalSetting) -> tuple[list[dict], dic
             label = np.asarray(cache.labels[r])
             real = np.asarray(cache.images[r], np.float32)
             cond = torch.from_numpy(label.astype(np.int64))[None].expand(K, *shape)
-            gen = sampling.generate(net, diff_p, cond, C, ev.sampling_steps, params.seed, "ddim",
+            gen = sampling.generate(net, diff_p, cond, C, ev.sampling_steps, params.seed, ev.sampler,
                                     progress=interactive, subject=s, sample_index=0, record=records,
-                                    autocast=rt.autocast)
+                                    autocast=rt.autocast, eta=ev.ddim_eta)
             bar.update(K)
             entry = {"row": int(r), "id": cache.subjects[r]["id"], "label": label, "real": real,
                      "samples": [g[0].numpy() for g in gen], "ancestral": None}
@@ -465,7 +468,8 @@ def evaluate_network(net, diff_p, setting: EvalSetting) -> tuple[list[dict], dic
     metrics = {"eval_val_loss": val_loss, **metrics,
                "eval_seconds_per_volume": float(np.mean([x["seconds"] for x in records])),
                "eval_peak_memory_mb": float(max(x["peak_memory_mb"] for x in records)),
-               "eval_sampling_steps": records[0]["steps"], "eval_subjects": len(rows),
+               "eval_sampling_steps": records[0]["steps"], "eval_sampler": ev.sampler,
+               "eval_ddim_eta": ev.ddim_eta if ev.sampler == "ddim" else None, "eval_subjects": len(rows),
                "eval_samples_per_condition": K}
     if ev.ancestral:
         ssim = BrainSSIM(shape, metric_device)
