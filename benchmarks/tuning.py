@@ -46,6 +46,17 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+# Evaluation-only variants (issue 35: samples that vary as the data does): a configuration above, trained once, its
+# volumes drawn by another sampler. name -> (the configuration whose trained model it evaluates, evaluate overrides).
+SAMPLERS: dict[str, tuple[str, dict]] = {
+    "x0-1e-3-eta0.5": ("x0-1e-3", {"evaluate.ddim_eta": 0.5}),
+    "x0-1e-3-eta1": ("x0-1e-3", {"evaluate.ddim_eta": 1.0}),
+    "x0-1e-3-ddpm": ("x0-1e-3", {"evaluate.sampler": "ancestral"}),
+    "v-1e-3-eta1": ("v-1e-3", {"evaluate.ddim_eta": 1.0}),
+    "v-1e-3-ddpm": ("v-1e-3", {"evaluate.sampler": "ancestral"}),
+}
+
+
 def set_key(raw: dict, dotted: str, value) -> None:
     node = raw
     *parents, last = dotted.split(".")
@@ -54,7 +65,9 @@ def set_key(raw: dict, dotted: str, value) -> None:
     node[last] = value
 
 
-def run_one(name: str, overrides: dict, samples: int, base_raw: dict) -> dict:
+def run_one(name: str, overrides: dict, samples: int, base_raw: dict, trained_as: str | None = None) -> dict:
+    """Train `name` (or reuse the finished training of `trained_as`, whose overrides `overrides` extends with
+    evaluate.* keys only) and evaluate it; the row of tuning.jsonl."""
     import yaml
 
     from voxdiff.pipeline.evaluate import run_evaluate
@@ -65,13 +78,13 @@ def run_one(name: str, overrides: dict, samples: int, base_raw: dict) -> dict:
     for k, v in {**overrides, "train.max_samples": samples, "train.max_steps": 0}.items():
         set_key(raw, k, v)
     params = validate(raw)
-    root = SCRATCH / f"{name}-{samples}"
+    root = SCRATCH / f"{trained_as or name}-{samples}"
     (root / "data").mkdir(parents=True, exist_ok=True)
     link = root / "data" / "processed"
     if not link.exists():
         link.symlink_to(REPO / "data" / "processed")
-    for old in (root / "models" / "checkpoint.pt",):
-        old.unlink(missing_ok=True)
+    if trained_as is None:  # a fresh training; a variant evaluates the finished one (evaluate.* is not training)
+        (root / "models" / "checkpoint.pt").unlink(missing_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     t0 = time.time()
     summary = run_training(params, root, progress=False)
@@ -79,7 +92,8 @@ def run_one(name: str, overrides: dict, samples: int, base_raw: dict) -> dict:
     t1 = time.time()
     metrics = run_evaluate(params, root, progress=False)
     curve = (root / "metrics" / "val_curve.tsv").read_text().splitlines()[1:]
-    return {"name": name, "overrides": overrides, "samples": samples, "train_seconds": round(train_s, 1),
+    return {"name": name, "overrides": overrides, "samples": samples, "trained_as": trained_as,
+            "train_seconds": round(train_s, 1),
             "eval_seconds": round(time.time() - t1, 1), "samples_per_s": round(summary["samples_per_s"], 3),
             "precision": summary["precision"], "final_val_loss": summary["final_val_loss"],
             "val_curve": [[int(c.split("\t")[1]), float(c.split("\t")[3])] for c in curve],
@@ -109,7 +123,8 @@ def render(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help=f"configurations: {', '.join(CONFIGS)}")
+    ap.add_argument("names", nargs="*", help=f"configurations: {', '.join(CONFIGS)}; sampler variants (after their "
+                    f"configuration): {', '.join(SAMPLERS)}")
     ap.add_argument("--samples", type=int, default=768)
     ap.add_argument("--render", action="store_true", help="print the results table (Markdown)")
     args = ap.parse_args(argv)
@@ -122,11 +137,17 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "src"))
     base_raw = yaml.safe_load((REPO / "params.yaml").read_text())
     for name in args.names:
-        row = run_one(name, CONFIGS[name], args.samples, base_raw)
+        if name in SAMPLERS:
+            trained_as, extra = SAMPLERS[name]
+            row = run_one(name, {**CONFIGS[trained_as], **extra}, args.samples, base_raw, trained_as)
+        else:
+            row = run_one(name, CONFIGS[name], args.samples, base_raw)
         with RESULTS.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
         print(f"{name}: SSIM {row['eval_ssim']:.3f} PSNR {row['eval_psnr']:.1f} MAE {row['eval_mae']:.3f} "
-              f"contrast {row['eval_contrast_order_fraction']} {row['samples_per_s']:.2f} samples/s", flush=True)
+              f"contrast {row['eval_contrast_order_fraction']} diversity {row.get('eval_msssim_samples')} "
+              f"(data {row.get('eval_diversity_reference')}) floors {row.get('eval_beats_floors')} "
+              f"{row['samples_per_s']:.2f} samples/s", flush=True)
     return 0
 
 
