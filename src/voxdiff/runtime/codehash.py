@@ -21,7 +21,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2]  # .../src
 TRAINING_MODULE = "voxdiff.pipeline.train"
 
-# The package's floors (docs/architecture.md): a module imports only from its own floor and the floors below,
+# The package's floors (docs/development.md): a module imports only from its own floor and the floors below,
 # which tests/test_layout.py checks. Keys are the first name under voxdiff (a package or a root module).
 FLOORS = {
     "runtime": 0, "params": 0, "paramsdoc": 0,                  # errors, files, stops, device, the params schema
