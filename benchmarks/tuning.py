@@ -100,6 +100,15 @@ def run_one(name: str, overrides: dict, samples: int, base_raw: dict, trained_as
             **{k: v for k, v in metrics.items() if k.startswith("eval_") and not k.startswith("eval_mean")}}
 
 
+def sampler_of(row: dict) -> str:
+    """The sampler of a row's evaluated volumes: DDIM (eta) or DDPM ancestral; rows from before
+    evaluate.sampler existed were DDIM, eta 0."""
+    o = row.get("overrides", {})
+    if o.get("evaluate.sampler") == "ancestral":
+        return "DDPM"
+    return f"DDIM eta {o.get('evaluate.ddim_eta', 0.0):g}"
+
+
 def render(rows: list[dict]) -> str:
     # No timing columns: these runs shared the machine with other work; speed lives in `make bench`.
     cols = [("run", lambda r: r["name"]), ("samples", lambda r: r["samples"]),
@@ -109,8 +118,13 @@ def render(rows: list[dict]) -> str:
             ("contrast order", lambda r: f"{r['eval_contrast_order_fraction']:.2f}"),
             ("contrast ratio", lambda r: "n/a" if r["eval_contrast_ratio"] is None else f"{r['eval_contrast_ratio']:.2f}"),
             ("beats floors", lambda r: "yes" if r.get("eval_beats_floors") else "no"),
+            ("sampler", sampler_of),
             ("diversity MS-SSIM", lambda r: "n/a" if r.get("eval_msssim_samples") is None
-             else f"{r['eval_msssim_samples']:.3f}")]
+             else f"{r['eval_msssim_samples']:.4f}"),
+            ("data's own", lambda r: "n/a" if r.get("eval_diversity_reference") is None
+             else f"{r['eval_diversity_reference']:.4f}"),
+            ("Dice fidelity", lambda r: "n/a" if r.get("eval_dice_fidelity_mean") is None
+             else f"{r['eval_dice_fidelity_mean']:.3f}")]
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(f(r)) for _, f in cols) + " |" for r in rows]
     f = rows[-1] if rows else {}
