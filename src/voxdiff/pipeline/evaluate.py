@@ -54,17 +54,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from voxdiff.training import checkpoint
-
-from voxdiff.diffusion import objective
-
-from voxdiff.diffusion import sampling
 from voxdiff.data.cache import ProcessedCache, open_cache
+from voxdiff.diffusion import objective, sampling
 from voxdiff.evaluation.references import noise_image, tissue_mean_image, tissue_means  # the floors' predictors
+from voxdiff.params import Params
 from voxdiff.runtime.errors import VoxdiffError
 from voxdiff.runtime.fsutil import atomic_path, check_writable, sha256_file, write_json
-from voxdiff.params import Params
 from voxdiff.tracking import dvc_metrics
+from voxdiff.training import checkpoint
 
 DATA_RANGE = 2.0  # the cache's intensities span [-1, 1]
 MAX_MONTAGE_SAMPLES = 6
