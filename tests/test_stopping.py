@@ -55,6 +55,51 @@ def test_a_gone_stderr_does_not_end_training_before_its_save(tiny_root, monkeypa
     assert stopped["step"] == 2 and not stopped["finished"]
 
 
+def hang_up_after_step(monkeypatch, at: int) -> None:
+    real_step = Trainer.train_step
+
+    def hung_up(self):
+        out = real_step(self)
+        if self.counters.step == at:
+            os.kill(os.getpid(), signal.SIGHUP)  # the terminal closed
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", hung_up)
+
+
+HUP_CFG = {"train.max_samples": 12, "train.batch_size": 1, "train.accumulate_every": 2, "train.checkpoint_every": 100}
+
+
+def test_a_closed_terminal_stops_at_a_boundary_with_its_save(tiny_root, monkeypatch):
+    """SIGHUP (an ssh session dropped) took its default action: the process ended at once, its MLflow run left
+    RUNNING, the steps since the last checkpoint lost. It is now a stop request like SIGTERM."""
+    from mlflow import MlflowClient
+
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the default that ends the process
+    hang_up_after_step(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params(HUP_CFG), tiny_root, progress=False)
+    stopped = checkpoint(tiny_root)
+    assert stopped["step"] == 2 and not stopped["finished"]
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("voxdiff").experiment_id])
+    assert [r.info.status for r in runs] == ["KILLED"]
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # put back
+
+
+def test_a_run_under_nohup_keeps_ignoring_a_closed_terminal(tiny_root, monkeypatch):
+    """`nohup voxdiff train &`: SIGHUP ignored from the start stays ignored; the run trains to its end."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        hang_up_after_step(monkeypatch, 2)
+        run_training(make_params(HUP_CFG), tiny_root, progress=False)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    done = checkpoint(tiny_root)
+    assert done["finished"] and done["step"] == 6
+
+
 STOPPED_RUN = r"""
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[1])

@@ -488,8 +488,8 @@ def tsv(rows: list[dict], columns: tuple[str, ...]) -> str:
 
 
 class GracefulInterrupt:
-    """Defers the first Ctrl-C (SIGINT) or SIGTERM (what `dvc queue kill`, SLURM and Kubernetes send)
-    to the end of the current optimizer step.
+    """Defers the first Ctrl-C (SIGINT), SIGTERM (what `dvc queue kill`, SLURM and Kubernetes send) or SIGHUP
+    (a closed terminal; not under `nohup`) to the end of the current optimizer step.
 
     The handler only sets a flag; the loop checks it after the step's record and checkpoint are done
     and then raises KeyboardInterrupt, so the saved state is a clean window boundary (`at_boundary`).
@@ -501,8 +501,6 @@ class GracefulInterrupt:
     requested. Under DDP the flag is summed over ranks, so all ranks stop at the same step.
     """
 
-    SIGNALS = ("SIGINT", "SIGTERM")
-
     def __init__(self):
         self.flag = False
         self.previous: dict = {}
@@ -513,8 +511,7 @@ class GracefulInterrupt:
         import threading
 
         if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                sig = getattr(signal, name)
+            for sig in stopping.stop_signals():
                 previous = signal.signal(sig, self._handler)
                 # start-up's noting handler stands in for the one before it: restore that one
                 self.previous[sig] = stopping.original(sig) if previous is stopping._note else previous
@@ -525,7 +522,7 @@ class GracefulInterrupt:
         import signal
 
         self.flag = True
-        if signum == signal.SIGINT:  # a second Ctrl-C acts at once; a repeated SIGTERM is the same request
+        if signum == signal.SIGINT:  # a second Ctrl-C acts at once; a repeated SIGTERM or SIGHUP is the same request
             signal.signal(signum, self.previous.get(signum) or signal.default_int_handler)
 
     def requested(self, rt: Runtime) -> bool:

@@ -8,7 +8,8 @@ the process ended without a word, its MLflow run left RUNNING (issue 36 item 11:
 thing the train stage and `voxdiff train` do: from then on SIGTERM and a first Ctrl-C only note the
 request, which the training honours at its first window boundary. A second Ctrl-C still acts at once; a
 repeated SIGTERM is the same request again (launchers repeat it: a process-group SIGTERM reaches a torchrun
-worker both directly and forwarded by torchrun).
+worker both directly and forwarded by torchrun). SIGHUP (the terminal closed: an ssh session dropped) is a
+stop request like SIGTERM, unless the process was started ignoring it (`nohup`), which it keeps doing.
 
 Standard library only: it runs before the heavy imports.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import signal
 import threading
 
-SIGNALS = ("SIGINT", "SIGTERM")
+SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 _requested: list[int] = []             # the signals noted, in order
 _originals: dict[int, object] = {}     # the handlers defer() replaced
 
@@ -29,13 +30,19 @@ def _note(signum, frame) -> None:
     _requested.append(signum)
 
 
+def stop_signals() -> list[int]:
+    """The signals that ask a training to stop at its next window boundary: SIGINT, SIGTERM and SIGHUP, less
+    SIGHUP where the process ignores it (started under `nohup`: a closed terminal must not stop it)."""
+    out = [getattr(signal, name) for name in SIGNALS if hasattr(signal, name)]
+    return [sig for sig in out if not (sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) is signal.SIG_IGN)]
+
+
 def defer() -> None:
-    """Note SIGINT and SIGTERM from now on instead of acting on them (main thread only; calling it again
+    """Note the stop signals from now on instead of acting on them (main thread only; calling it again
     keeps the first handlers as the originals)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for name in SIGNALS:
-        sig = getattr(signal, name)
+    for sig in stop_signals():
         current = signal.signal(sig, _note)
         if current is not _note:
             _originals[sig] = current
