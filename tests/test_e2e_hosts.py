@@ -8,6 +8,10 @@ the data (so both hosts train on byte-identical data and neither repeats preproc
 processed cache is the large part) and runs its half through the queue (`dvc exp run --queue`, `dvc queue
 start`, `dvc exp push origin`). The analysis host clones, pulls every experiment from the git remote and
 compares them: DVC's view (`dvc exp show`) from git refs, MLflow's view (`voxdiff compare`) from the server.
+
+The grid is made once for the module (grid_on_hosts); a second test reads the same runs back through the
+server's REST API: found by param, their val_loss histories, system metrics and dataset, and the logged model
+loaded through the server's artifact proxy.
 """
 
 from __future__ import annotations
@@ -16,13 +20,14 @@ import csv
 import hashlib
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
 from test_e2e_dvc import make_repo, run_queue, sh
-from test_mlflow_server import MlflowServer
+from mlflow_server import MlflowServer, api
 
 pytestmark = pytest.mark.slow
 
@@ -55,21 +60,34 @@ def locked_md5(repo: Path, name: str, path: str) -> str:
     raise AssertionError(f"{path} not in {name}'s dvc.lock")
 
 
-def test_grid_on_two_hosts_compared_on_a_third(tmp_path):
+@dataclass
+class Grid:
+    """The grid as the analysis host sees it: the server, the three clones, and each host's experiment."""
+    url: str
+    host_a: Path
+    host_b: Path
+    host_c: Path
+    names: dict  # host -> its DVC experiment's name
+
+
+@pytest.fixture(scope="module")
+def grid_on_hosts(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("hosts")
     server = MlflowServer(tmp_path / "server")
     server.start()
     try:
-        run_hosts_and_compare(tmp_path, server.url)
+        yield make_grid(tmp_path, server.url)
     finally:
         server.stop()
 
 
-def run_hosts_and_compare(tmp_path: Path, url: str) -> None:
+def make_grid(tmp_path: Path, url: str) -> Grid:
     origin = tmp_path / "origin.git"
     sh(tmp_path, "git", "init", "-q", "--bare", "-b", "main", str(origin))
 
     # Host A: the project with the server in params.yaml, a DVC remote, the data made once and pushed.
-    host_a = make_repo(tmp_path / "host-a", {"mlflow.tracking_uri": url, "mlflow.experiment": "hosts"})
+    host_a = make_repo(tmp_path / "host-a", {"mlflow.tracking_uri": url, "mlflow.experiment": "hosts",
+                                             "mlflow.system_metrics_interval_s": 1.0})
     sh(host_a, "dvc", "remote", "add", "-d", "store", str(tmp_path / "dvc-remote"))
     sh(host_a, "dvc", "repro", "preprocess")
     sh(host_a, "git", "add", "-A")
@@ -105,6 +123,11 @@ def run_hosts_and_compare(tmp_path: Path, url: str) -> None:
     sh(host_c, "dvc", "exp", "pull", "origin", *names.values())
     assert exp_names(host_c) == set(names.values())
 
+    return Grid(url, host_a, host_b, host_c, names)
+
+
+def test_grid_on_two_hosts_compared_on_a_third(grid_on_hosts):
+    url, host_c, names = grid_on_hosts.url, grid_on_hosts.host_c, grid_on_hosts.names
     # `dvc exp show` has each experiment's param and metrics (git refs: no data or model needed for them).
     table = sh(host_c, "dvc", "exp", "show", "--csv").stdout
     rows = {r["Experiment"]: r for r in csv.DictReader(io.StringIO(table)) if r["Experiment"]}
@@ -158,3 +181,44 @@ def run_hosts_and_compare(tmp_path: Path, url: str) -> None:
         assert any(setting in line and name in line and by_name[name].info.run_id in line
                    for line in report.splitlines()), report  # the runs table: setting, run, DVC experiment
     assert f"{url}/#/experiments/{exp.experiment_id}/runs" in out.stdout
+
+
+def test_the_server_holds_every_run_and_serves_its_history_and_model(grid_on_hosts, monkeypatch):
+    """A queued run (host B) and a plain `dvc exp run` (host A) both log to the server and nowhere else; its REST
+    API finds each by param, with its val_loss history, system metrics and dataset; the logged EMA model loads
+    back through the server's artifact proxy and runs."""
+    url = grid_on_hosts.url
+    for host in (grid_on_hosts.host_a, grid_on_hosts.host_b):
+        assert not (host / "mlflow.db").exists() and not (host / "mlruns").exists()  # everything went to the server
+
+    exp = api(url, "experiments/get-by-name?experiment_name=hosts")["experiment"]
+    for k in HOSTS.values():
+        found = api(url, "runs/search", {"experiment_ids": [exp["experiment_id"]],
+                                         "filter": f"params.`train.accumulate_every` = '{k}'"})["runs"]
+        assert len(found) == 1, found
+        run = found[0]
+        params = {p["key"]: p["value"] for p in run["data"]["params"]}
+        assert params["effective_batch_size"] == k and run["info"]["status"] == "FINISHED"
+        history = api(url, f"metrics/get-history?run_id={run['info']['run_id']}&metric_key=val_loss")["metrics"]
+        assert len(history) >= 2 and all(m["value"] > 0 for m in history)
+        metrics = {m["key"] for m in run["data"]["metrics"]}
+        assert any(key.startswith("system/cpu_utilization") for key in metrics), sorted(metrics)
+        inputs = run["inputs"]["dataset_inputs"]
+        assert inputs and inputs[0]["dataset"]["name"].startswith("voxdiff-processed")
+
+    import mlflow
+    import torch
+
+    # mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI in os.environ: monkeypatch restores it after
+    # the test, so later tests (and their subprocesses) do not talk to this stopped server.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlflow.set_tracking_uri(url)
+    try:
+        net = mlflow.pytorch.load_model(f"runs:/{run['info']['run_id']}/ema_model")
+        meta = mlflow.models.get_model_info(f"runs:/{run['info']['run_id']}/ema_model").metadata
+    finally:
+        mlflow.set_tracking_uri("")  # and MLflow's in-process default back to its own
+    assert meta["label_values"] == [0, 1, 2, 3] and meta["weights"] == "EMA"
+    shape = meta["shape"]
+    x = torch.zeros(1, 1 + meta["num_classes"], *shape)
+    assert net(x, timesteps=torch.zeros(1, dtype=torch.long)).shape == (1, 1, *shape)

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from conftest import TINY, raw_params, write_tiny_cache
-from test_mlflow_server import free_port  # torchrun's port: a free one, so that runs side by side never share it
+from mlflow_server import free_port  # torchrun's port: a free one, so that runs side by side never share it
 
 pytestmark = pytest.mark.slow
 

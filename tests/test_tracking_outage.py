@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 from conftest import make_params
-from test_mlflow_server import MlflowServer, api
+from mlflow_server import MlflowServer, api
 from voxdiff.tracking.runs import RunTracker
 from voxdiff.training import checkpoint
 from voxdiff.pipeline.train import run_training

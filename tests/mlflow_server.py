@@ -1,5 +1,6 @@
-"""A real `mlflow server` (SQLite backend, loopback port) as users scale out: a queued DVC grid logs to
-it, and its REST API finds the runs by param, reads their val_loss histories, and the logged model loads."""
+"""A real `mlflow server` (SQLite backend, loopback port) for the tests that need one: the grid on several hosts
+(test_e2e_hosts.py, which also reads the runs back through the server's REST API) and the outages
+(test_tracking_outage.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from test_e2e_dvc import make_repo, run_queue, sh
-
-pytestmark = pytest.mark.slow
 
 
 def free_port() -> int:
@@ -88,53 +85,3 @@ class MlflowServer:
                 if s.connect_ex(("127.0.0.1", self.port)) != 0:
                     return
             time.sleep(0.1)
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv = MlflowServer(tmp_path / "server")
-    srv.start()
-    yield srv.url
-    srv.stop()
-
-
-def test_queued_grid_through_a_real_mlflow_server(tmp_path, server, monkeypatch):
-    repo = make_repo(tmp_path / "proj", {"mlflow.tracking_uri": server, "mlflow.experiment": "grid",
-                                         "mlflow.system_metrics_interval_s": 1.0})
-    sh(repo, "dvc", "repro", "preprocess")
-    sh(repo, "git", "add", "-A")
-    sh(repo, "git", "commit", "-qm", "data")
-    run_queue(repo, "train.accumulate_every=1,2", jobs=1)
-    assert not (repo / "mlflow.db").exists()  # everything went to the server
-
-    exp = api(server, "experiments/get-by-name?experiment_name=grid")["experiment"]
-    for k in ("1", "2"):
-        found = api(server, "runs/search", {"experiment_ids": [exp["experiment_id"]],
-                                            "filter": f"params.`train.accumulate_every` = '{k}'"})["runs"]
-        assert len(found) == 1, found
-        run = found[0]
-        params = {p["key"]: p["value"] for p in run["data"]["params"]}
-        assert params["effective_batch_size"] == k and run["info"]["status"] == "FINISHED"
-        history = api(server, f"metrics/get-history?run_id={run['info']['run_id']}&metric_key=val_loss")["metrics"]
-        assert len(history) >= 2 and all(m["value"] > 0 for m in history)
-        metrics = {m["key"] for m in run["data"]["metrics"]}
-        assert any(key.startswith("system/cpu_utilization") for key in metrics), sorted(metrics)
-        inputs = run["inputs"]["dataset_inputs"]
-        assert inputs and inputs[0]["dataset"]["name"].startswith("voxdiff-processed")
-
-    # The logged EMA model loads back through the server's artifact proxy and runs.
-    import mlflow
-    import torch
-
-    # mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI in os.environ: monkeypatch restores it after
-    # the test, so later tests (and their subprocesses) do not talk to this stopped server.
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    mlflow.set_tracking_uri(server)
-    net = mlflow.pytorch.load_model(f"runs:/{found[0]['info']['run_id']}/ema_model")
-    info = mlflow.models.get_model_info(f"runs:/{found[0]['info']['run_id']}/ema_model")
-    meta = info.metadata
-    assert meta["label_values"] == [0, 1, 2, 3] and meta["weights"] == "EMA"
-    shape = meta["shape"]
-    x = torch.zeros(1, 1 + meta["num_classes"], *shape)
-    assert net(x, timesteps=torch.zeros(1, dtype=torch.long)).shape == (1, 1, *shape)
-    mlflow.set_tracking_uri("")  # and MLflow's in-process default back to its own
