@@ -75,16 +75,55 @@ def test_a_closed_terminal_stops_at_a_boundary_with_its_save(tiny_root, monkeypa
     RUNNING, the steps since the last checkpoint lost. It is now a stop request like SIGTERM."""
     from mlflow import MlflowClient
 
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # the default that ends the process
-    hang_up_after_step(monkeypatch, 2)
-    with pytest.raises(KeyboardInterrupt):
-        run_training(make_params(HUP_CFG), tiny_root, progress=False)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the default that ends the process (pytest may run under nohup)
+    try:
+        hang_up_after_step(monkeypatch, 2)
+        with pytest.raises(KeyboardInterrupt):
+            run_training(make_params(HUP_CFG), tiny_root, progress=False)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # put back
+    finally:
+        signal.signal(signal.SIGHUP, previous)
     stopped = checkpoint(tiny_root)
     assert stopped["step"] == 2 and not stopped["finished"]
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     runs = client.search_runs([client.get_experiment_by_name("voxdiff").experiment_id])
     assert [r.info.status for r in runs] == ["KILLED"]
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # put back
+
+
+def test_a_sigterm_repeated_while_the_stop_is_saved_is_noted_not_fatal(tiny_root, monkeypatch):
+    """A launcher repeats SIGTERM (torchrun forwards the group's, SLURM signals every process): one that arrived
+    while the stop's checkpoint was written took SIGTERM's default action, the loop's handler being gone by
+    then, and ended the process mid-save with its MLflow run RUNNING."""
+    from mlflow import MlflowClient
+
+    from voxdiff.training import checkpoint as ckpt
+
+    real_save = ckpt.save
+    sent = []
+
+    def save_under_a_repeated_sigterm(path, state):
+        if not state["finished"] and state["step"] == 2 and not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))  # the launcher's second SIGTERM, mid-save
+        return real_save(path, state)
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    real_step = Trainer.train_step
+
+    def stopped_at_2(self):
+        out = real_step(self)
+        if self.counters.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # the stop
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", stopped_at_2)
+    monkeypatch.setattr(ckpt, "save", save_under_a_repeated_sigterm)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(make_params(HUP_CFG), tiny_root, progress=False)
+    assert sent and checkpoint(tiny_root)["step"] == 2
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("voxdiff").experiment_id])
+    assert [r.info.status for r in runs] == ["KILLED"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the original handler is back after the training
 
 
 def test_a_run_under_nohup_keeps_ignoring_a_closed_terminal(tiny_root, monkeypatch):

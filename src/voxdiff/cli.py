@@ -113,8 +113,8 @@ def preprocess(root, params_path):
 @user_errors
 def train(root, params_path, progress, restart, plan, plan_steps):
     """Train the diffusion model on data/processed. Resumes an interrupted run of the same configuration
-    (params, data, resolved precision and training code) from models/checkpoint.pt; Ctrl-C or SIGTERM
-    stops at the end of the optimizer step with a checkpoint. Multi-GPU/CPU:
+    (params, data, resolved precision and training code) from models/checkpoint.pt; Ctrl-C, SIGTERM or SIGHUP
+    (a closed terminal; not under nohup) stops at the end of the optimizer step with a checkpoint. Multi-GPU/CPU:
     `.venv/bin/torchrun --nproc_per_node N stages/train.py` from the project root. Before training it checks
     that the disk can hold the run (refused in one line otherwise); `--plan` shows the whole plan."""
     if not plan:  # first: a SIGTERM while torch and MONAI load is noted, not fatal (voxdiff.runtime.stopping)

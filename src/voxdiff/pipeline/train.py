@@ -52,8 +52,8 @@ def say(rt: Runtime, msg: str) -> None:
 def run_training(params: Params, root: Path, progress: bool | None = None, restart: bool = False) -> dict:
     """Train to the budget in params.yaml, resuming an unfinished run of the same configuration.
     restart (or VOXDIFF_RESTART=1): train from scratch whatever models/checkpoint.pt holds.
-    SIGTERM and Ctrl-C are deferred from the start (voxdiff.runtime.stopping; the stage entry and the CLI defer them
-    earlier still, before the heavy imports) and honoured at a window boundary."""
+    SIGTERM, SIGHUP and Ctrl-C are deferred from the start (voxdiff.runtime.stopping; the stage entry and the CLI
+    defer them earlier still, before the heavy imports) and honoured at a window boundary."""
     stopping.defer()
     try:
         if stopping.requested() is not None:  # before anything started: nothing to save, no MLflow run
@@ -240,7 +240,7 @@ def train_to_budget(trainer: Trainer, cache, tracker: RunTracker | None, save, r
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
         # Saved only at a window boundary with the step's record kept (GracefulInterrupt defers the
-        # first Ctrl-C or SIGTERM), so the resumed run continues exactly where this one stopped. A
+        # first Ctrl-C, SIGTERM or SIGHUP), so the resumed run continues exactly where this one stopped. A
         # KeyboardInterrupt raised anywhere else (a second Ctrl-C) may fall between the optimizer's step
         # and the counters': saving then would write new weights under old counters over the last good
         # checkpoint, so that one is kept.
@@ -503,7 +503,8 @@ class GracefulInterrupt:
 
     def __init__(self):
         self.flag = False
-        self.previous: dict = {}
+        self.previous: dict = {}   # the handlers replaced, put back on exit
+        self.immediate: dict = {}  # what a second Ctrl-C runs: the handler before start-up's noting one
         self.at_boundary = True  # False while a step is under way (the loop sets it)
 
     def __enter__(self):
@@ -512,9 +513,8 @@ class GracefulInterrupt:
 
         if threading.current_thread() is threading.main_thread():
             for sig in stopping.stop_signals():
-                previous = signal.signal(sig, self._handler)
-                # start-up's noting handler stands in for the one before it: restore that one
-                self.previous[sig] = stopping.original(sig) if previous is stopping._note else previous
+                previous = self.previous[sig] = signal.signal(sig, self._handler)
+                self.immediate[sig] = stopping.original(sig) if previous is stopping._note else previous
         self.flag = self.flag or stopping.requested() is not None  # a stop asked for during start-up
         return self
 
@@ -523,7 +523,7 @@ class GracefulInterrupt:
 
         self.flag = True
         if signum == signal.SIGINT:  # a second Ctrl-C acts at once; a repeated SIGTERM or SIGHUP is the same request
-            signal.signal(signum, self.previous.get(signum) or signal.default_int_handler)
+            signal.signal(signum, self.immediate.get(signum) or signal.default_int_handler)
 
     def requested(self, rt: Runtime) -> bool:
         if rt.world_size == 1:
@@ -533,10 +533,14 @@ class GracefulInterrupt:
         return all_reduce_sum([float(self.flag)], rt)[0] > 0
 
     def __exit__(self, *exc):
+        """Put back what was replaced: start-up's noting handler where run_training deferred the stop signals,
+        so that a SIGTERM repeated while the stop's checkpoint is written is noted, not fatal (run_training
+        restores the originals at its end). A first Ctrl-C already put the immediate handler in place: kept."""
         import signal
 
         for sig, handler in self.previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            if signal.getsignal(sig) == self._handler:  # (a bound method: equal, never the same object)
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         return False
 
 

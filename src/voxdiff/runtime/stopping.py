@@ -1,4 +1,4 @@
-"""Stop requests (SIGTERM, Ctrl-C) that arrive while a training starts up.
+"""Stop requests (SIGTERM, SIGHUP, Ctrl-C) that arrive while a training starts up, or while a stop is saved.
 
 The training loop defers a stop to the end of the optimizer step (pipeline.train.GracefulInterrupt). Before
 the loop, the train stage imports torch and MONAI, opens the data and the checkpoint and starts its MLflow
@@ -9,7 +9,10 @@ thing the train stage and `voxdiff train` do: from then on SIGTERM and a first C
 request, which the training honours at its first window boundary. A second Ctrl-C still acts at once; a
 repeated SIGTERM is the same request again (launchers repeat it: a process-group SIGTERM reaches a torchrun
 worker both directly and forwarded by torchrun). SIGHUP (the terminal closed: an ssh session dropped) is a
-stop request like SIGTERM, unless the process was started ignoring it (`nohup`), which it keeps doing.
+stop request like SIGTERM, unless the process was started ignoring it (`nohup`), which it keeps doing. While a
+stop's checkpoint is written and its MLflow run ended, the noting handler is back (GracefulInterrupt's exit), so
+a repeated SIGTERM there cannot end the process mid-save; `restore()` at the end of the training puts back the
+handlers that were there before.
 
 Standard library only: it runs before the heavy imports.
 """
