@@ -33,7 +33,11 @@ DEPENDENCIES = ("numpy", "yaml", "nibabel", "torch", "monai", "mlflow")
 def _missing_dependency() -> str | None:
     from importlib.util import find_spec
 
-    return next((name for name in DEPENDENCIES if find_spec(name) is None), None)
+    def installed(name: str) -> bool:
+        spec = find_spec(name)
+        return spec is not None and spec.origin is not None  # origin None: a leftover folder, no package in it
+
+    return next((name for name in DEPENDENCIES if not installed(name)), None)
 
 
 def _ensure_dependencies() -> None:

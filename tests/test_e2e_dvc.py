@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -75,8 +76,10 @@ def baseline_files() -> list[str]:
 
 
 def experiment_refs(repo: Path) -> int:
-    """How many experiments the repo holds (git refs under refs/exps; DVC writes one when an experiment ends)."""
-    return len(sh(repo, "git", "for-each-ref", "refs/exps").stdout.splitlines())
+    """How many experiments the repo holds: DVC writes refs/exps/<baseline sha as 2 + 38>/<name> when an experiment
+    ends (its queue's own refs, refs/exps/celery/... and refs/exps/temp/..., are not experiments)."""
+    refs = sh(repo, "git", "for-each-ref", "--format=%(refname)", "refs/exps").stdout.split()
+    return sum(bool(re.fullmatch(r"refs/exps/[0-9a-f]{2}/[0-9a-f]{38}/[^/]+", ref)) for ref in refs)
 
 
 def run_queue(repo: Path, grid: str, jobs: int, timeout_s: float = 600) -> None:
@@ -92,7 +95,9 @@ def run_queue(repo: Path, grid: str, jobs: int, timeout_s: float = 600) -> None:
     deadline = asked + timeout_s
     status = ""
     while True:
-        assert time.time() < deadline, f"the queue did not finish within {timeout_s:.0f} s:\n{status}"
+        if time.time() > deadline:
+            sh(repo, "dvc", "queue", "stop", "--kill", check=False)  # no training left running after the test
+            raise AssertionError(f"the queue did not finish within {timeout_s:.0f} s:\n{status}")
         if experiment_refs(repo) >= expected or time.time() - asked > 20:
             status, asked = sh(repo, "dvc", "queue", "status").stdout, time.time()
             if "Queued" not in status and "Running" not in status:

@@ -55,7 +55,8 @@ def test_plan_on_the_tiny_config_prints_the_fields_with_the_right_arithmetic(tin
     m, pred = result["measured"], result["predicted"]
     assert pred["parts"]["training steps"] == pytest.approx(3 * m["step_s"])
     assert pred["parts"]["validation"] == pytest.approx(3 * m["validation_s"])
-    assert pred["probe_gradients"] == 2 * (4 * 3 + 4)
+    assert pred["probe_gradients"] == 2 * (TINY["train.gns_buckets"] * TINY["train.gns_bucket_samples"]
+                                           + TINY["train.gns_probe_samples"])  # two passes over each gradient
     assert pred["total_s"] == pytest.approx(sum(pred["parts"].values()))
     text = "\n".join(out)
     for field in ("budget", "10 samples in 3 optimizer steps of effective batch 4", "ceil(10 / 4)", "checkpoint",

@@ -28,7 +28,10 @@ def bare_env() -> dict:
 def python3_without_deps():
     env = bare_env()
     exe = shutil.which("python3", path=env["PATH"])
-    if exe is None or subprocess.run([exe, "-c", "import monai"], env=env, capture_output=True).returncode == 0:
+    # the stage entry's own check (stages/_entry.py), run by that python3
+    check = f"import sys; sys.path.insert(0, {str(REPO / 'stages')!r}); import _entry; print(_entry._missing_dependency())"
+    missing = subprocess.run([exe, "-c", check], env=env, capture_output=True, text=True) if exe else None
+    if missing is None or missing.returncode != 0 or missing.stdout.strip() == "None":
         pytest.skip("needs a python3 on PATH (outside the venv) without the project's dependencies")
     return exe, env
 

@@ -275,7 +275,7 @@ def test_bucket_noise_scale_matches_truth_and_leaves_training_alone(tiny_root, m
     shape = (16, 16, 16)
     monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes, **kw: ConstantPrediction(shape, 0.5))
     cfg = {"train.max_steps": 3, "train.max_samples": 0, "diffusion.prediction": "epsilon",
-           "diffusion.loss": "l2", "train.gns_bucket_samples": 8}
+           "diffusion.loss": "l2", "train.gns_buckets": 4, "train.gns_bucket_samples": 8}
     tr = Trainer(make_params(cfg), tiny_root, init_runtime("cpu", "fp32"), open_cache(tiny_root / "data" / "processed"))
     values = tr.bucket_noise_scale()
     for b in range(4):
