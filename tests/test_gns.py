@@ -486,7 +486,8 @@ def probe_trainer(tiny_root, monkeypatch, c: float, seed: int, overrides: dict |
 
     monkeypatch.setattr(trainer_mod, "build_network", lambda model, classes, **kw: ConstantPrediction((16, 16, 16), c))
     cfg = {"seed": seed, "train.max_steps": 3, "train.max_samples": 0, "diffusion.prediction": "epsilon",
-           "diffusion.loss": "l2", "train.gns_bucket_samples": 4, "train.gns_probe_samples": 16, **(overrides or {})}
+           "diffusion.loss": "l2", "train.gns_buckets": 4, "train.gns_bucket_samples": 4, "train.gns_probe_samples": 16,
+           **(overrides or {})}
     return trainer_mod.Trainer(make_params(cfg), tiny_root, init_runtime("cpu", "fp32"),
                                open_cache(tiny_root / "data" / "processed"))
 
