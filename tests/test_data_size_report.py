@@ -21,7 +21,7 @@ def _runs(n: int, b_crit: float, seeds=(0.95, 1.0, 1.05), ks=(1, 2, 4), level_fa
             floor = 0.05 * (level_factor or {}).get(k, 1.0)
             losses = floor + 0.5 * np.exp(-steps / (tau * stretch * factor))
             params = {"data.train_subjects": str(n), "data.subjects": "336", "diffusion.prediction": "epsilon",
-                      "train.accumulate_every": str(k), "seed": str(i)}
+                      "train.accumulate_every": str(k), "seed": str(i), "train.early_stop_patience_samples": "8192"}
             out.append(RunData(f"n{n}-k{k}-s{i}", params, {}, {"data_pairwise_dice_label2": 0.6}, steps, losses,
                                samples, np.full(len(steps), np.nan), np.array([]), np.array([]), 0.0))
     return out
@@ -62,3 +62,17 @@ def test_no_data_size_runs_says_so():
 
     lines, curve = report([])
     assert curve == {} and lines[-1] == "No data-size runs archived yet."
+
+
+def test_the_lr_pilot_is_not_a_run_of_the_arm():
+    """The ds-lr pilot trains on the same data without early stopping (a fixed budget): it must not stand in for a
+    seed's k 1 run, here with a lower level than the arm's own k 1 run of that seed."""
+    import dataclasses
+
+    from voxdiff.report.data_size import is_data_size_run, report
+
+    arm = _runs(160, 6.0, seeds=(1.0,), ks=(1, 2))
+    pilot = dataclasses.replace(arm[0], run_id="pilot", val_loss=arm[0].val_loss * 0.5,
+                                params={**arm[0].params, "train.early_stop_patience_samples": "0"})
+    assert not is_data_size_run(pilot) and all(is_data_size_run(r) for r in arm)
+    assert report([pilot] + arm)[0] == report(arm)[0]

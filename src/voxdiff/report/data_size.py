@@ -29,9 +29,12 @@ BOOTSTRAP = 2000
 
 
 def is_data_size_run(r: RunData) -> bool:
-    """A run of the data-size arm: a training subset of the 336-subject set, epsilon-prediction."""
+    """A run of the data-size arm: a training subset of the 336-subject set, epsilon-prediction, stopped by the
+    protocol's early stopping. The LR pilot (ds-lr: the same data, a fixed 8192-sample budget, no early stopping) is
+    not one: it would stand in for a seed's k 1 run."""
     return (r.params.get("data.train_subjects", "0") not in ("0", "?") and r.params.get("data.subjects") == "336"
-            and r.params.get("diffusion.prediction") == "epsilon")
+            and r.params.get("diffusion.prediction") == "epsilon"
+            and r.params.get("train.early_stop_patience_samples", "0") not in ("0", "?"))
 
 
 def by_size(runs: list[RunData]) -> dict[int, dict[int, dict[str, RunData]]]:
@@ -73,6 +76,13 @@ def method_spread(by_k: dict[int, dict[str, RunData]], target: float) -> tuple[f
 
 def _fmt(v: float) -> str:
     return "∞" if v == math.inf else ("—" if v != v else f"{v:.3g}")
+
+
+def interval(fit: tuple[float, float, float] | None) -> str:
+    """The bootstrap interval, or why there is none (one seed a side: nothing to resample)."""
+    if not fit:
+        return "—"
+    return "none (one seed)" if fit[1] != fit[1] else f"{_fmt(fit[1])}–{_fmt(fit[2])}"
 
 
 def report(runs: list[RunData]) -> tuple[list[str], dict[int, list[tuple[float, float, float, float]]]]:
@@ -137,7 +147,7 @@ def report(runs: list[RunData]) -> tuple[list[str], dict[int, list[tuple[float, 
             if fit is not None:
                 curve.setdefault(n, []).append((factor, *fit))
             lines.append(f"| {n} | {factor:.2f} | {target:.4g} | {_fmt(fit[0]) if fit else '—'} | "
-                         f"{_fmt(fit[1]) + '–' + _fmt(fit[2]) if fit else '—'} | "
+                         f"{interval(fit)} | "
                          f"{_fmt(spread[0]) + '–' + _fmt(spread[1]) if spread else '—'} |")
     return lines + [""], curve
 
