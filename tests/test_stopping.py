@@ -55,16 +55,17 @@ def test_a_gone_stderr_does_not_end_training_before_its_save(tiny_root, monkeypa
     assert stopped["step"] == 2 and not stopped["finished"]
 
 
-def hang_up_after_step(monkeypatch, at: int) -> None:
+def signal_after_step(monkeypatch, at: int, sig: int = signal.SIGHUP) -> None:
+    """Send `sig` to this process right after optimizer step `at` (SIGHUP: the terminal closed)."""
     real_step = Trainer.train_step
 
-    def hung_up(self):
+    def signalled(self):
         out = real_step(self)
         if self.counters.step == at:
-            os.kill(os.getpid(), signal.SIGHUP)  # the terminal closed
+            os.kill(os.getpid(), sig)
         return out
 
-    monkeypatch.setattr(Trainer, "train_step", hung_up)
+    monkeypatch.setattr(Trainer, "train_step", signalled)
 
 
 HUP_CFG = {"train.max_samples": 12, "train.batch_size": 1, "train.accumulate_every": 2, "train.checkpoint_every": 100}
@@ -77,7 +78,7 @@ def test_a_closed_terminal_stops_at_a_boundary_with_its_save(tiny_root, monkeypa
 
     previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the default that ends the process (pytest may run under nohup)
     try:
-        hang_up_after_step(monkeypatch, 2)
+        signal_after_step(monkeypatch, 2)
         with pytest.raises(KeyboardInterrupt):
             run_training(make_params(HUP_CFG), tiny_root, progress=False)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # put back
@@ -107,15 +108,7 @@ def test_a_sigterm_repeated_while_the_stop_is_saved_is_noted_not_fatal(tiny_root
         return real_save(path, state)
 
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    real_step = Trainer.train_step
-
-    def stopped_at_2(self):
-        out = real_step(self)
-        if self.counters.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # the stop
-        return out
-
-    monkeypatch.setattr(Trainer, "train_step", stopped_at_2)
+    signal_after_step(monkeypatch, 2, signal.SIGTERM)  # the stop
     monkeypatch.setattr(ckpt, "save", save_under_a_repeated_sigterm)
     with pytest.raises(KeyboardInterrupt):
         run_training(make_params(HUP_CFG), tiny_root, progress=False)
@@ -130,7 +123,7 @@ def test_a_run_under_nohup_keeps_ignoring_a_closed_terminal(tiny_root, monkeypat
     """`nohup voxdiff train &`: SIGHUP ignored from the start stays ignored; the run trains to its end."""
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        hang_up_after_step(monkeypatch, 2)
+        signal_after_step(monkeypatch, 2)
         run_training(make_params(HUP_CFG), tiny_root, progress=False)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:

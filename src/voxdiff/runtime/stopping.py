@@ -36,8 +36,12 @@ def _note(signum, frame) -> None:
 def stop_signals() -> list[int]:
     """The signals that ask a training to stop at its next window boundary: SIGINT, SIGTERM and SIGHUP, less
     SIGHUP where the process ignores it (started under `nohup`: a closed terminal must not stop it)."""
-    out = [getattr(signal, name) for name in SIGNALS if hasattr(signal, name)]
-    return [sig for sig in out if not (sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) is signal.SIG_IGN)]
+    out = []
+    for name in SIGNALS:
+        sig = getattr(signal, name, None)  # no SIGHUP on Windows
+        if sig is not None and not (name == "SIGHUP" and signal.getsignal(sig) is signal.SIG_IGN):
+            out.append(sig)
+    return out
 
 
 def defer() -> None:
