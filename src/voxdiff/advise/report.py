@@ -174,8 +174,14 @@ def _bcrit_cell(b: BranchFit) -> str:
 
 
 def markdown(a: Advice, figure: Path) -> str:
-    b, m, plan = a.branch, a.noise.marginal, a.plan
-    rec = a.recommended
+    """reports/advise.md: the advice and its table first, then how each input was measured."""
+    sections = (_advice_section(a, figure), _speed_section(a), _noise_section(a), _branches_section(a),
+                _cost_section(a))
+    return "\n".join(line for section in sections for line in section)
+
+
+def _advice_section(a: Advice, figure: Path) -> list[str]:
+    b, m, rec = a.branch, a.noise.marginal, a.recommended
     lines = ["# What should accumulate_every be? (`voxdiff advise`)", "",
              f"Advised on {a.source}: {a.checkpoint.get('samples_seen')} samples seen, step {a.checkpoint.get('step')}"
              + (f", MLflow run `{a.checkpoint['mlflow_run_id']}`" if a.checkpoint.get("mlflow_run_id") else "")
@@ -207,25 +213,33 @@ def markdown(a: Advice, figure: Path) -> str:
                      f"{c.setting.batch} | {_num(c.memory_mb, '.0f')} | {_num(c.samples_per_s, '.3g')} | "
                      f"{_num(c.samples_rel, '.2f')} | {_num(c.steps_rel, '.2f')} | {_num(c.minutes, '.3g')} | "
                      f"{_num(c.device_minutes, '.3g')} |")
-    lines += ["", "The recommendation is the fastest row among those that spend at most twice the least "
-              "device-time (devices × minutes): on one device the fastest micro-batch at accumulate_every 1; "
-              "across devices, more of them while the effective batch stays near B_crit or below." +
-              (f" Up to {a.devices_worth_it} device(s) pass that test." if a.devices_worth_it else ""),
-              "", "## a. Memory and speed per micro-batch", "",
-              "Whole training steps (forward, backward, clipping, Adam, EMA) at accumulate_every 1, the fastest of "
-              "the timed steps after one warm-up step; peak memory: " +
-              ("CUDA max allocated." if a.device.startswith("cuda") else "this process's peak RSS."), "",
-              "| micro-batch | samples/s | peak memory MB | note |", "|---|---|---|---|"]
+    return lines + ["", "The recommendation is the fastest row among those that spend at most twice the least "
+                    "device-time (devices × minutes): on one device the fastest micro-batch at accumulate_every 1; "
+                    "across devices, more of them while the effective batch stays near B_crit or below." +
+                    (f" Up to {a.devices_worth_it} device(s) pass that test." if a.devices_worth_it else ""), ""]
+
+
+def _speed_section(a: Advice) -> list[str]:
+    lines = ["## a. Memory and speed per micro-batch", "",
+             "Whole training steps (forward, backward, clipping, Adam, EMA) at accumulate_every 1, the fastest of "
+             "the timed steps after one warm-up step; peak memory: " +
+             ("CUDA max allocated." if a.device.startswith("cuda") else "this process's peak RSS."), "",
+             "| micro-batch | samples/s | peak memory MB | note |", "|---|---|---|---|"]
     for r in a.speed:
         lines.append(f"| {r.micro} | {_num(r.samples_per_s)} | {_num(r.peak_memory_mb, '.0f')} | "
                      f"{'out of memory' if r.oom else r.note} |")
-    lines += ["", "## b. Gradient noise scale at the checkpoint", "",
-              f"B_simple = tr(Σ)/|G|² from single-sample gradients of the checkpoint's weights on fixed probe draws "
-              f"(`Trainer.bucket_noise_scale`, two passes, jackknife + Fieller interval at {a.noise.level:.0%}); "
-              f"marginal: {a.noise.samples} draws with timesteps uniform as in training. An unresolved value "
-              "(|G|²'s interval includes 0) has only a lower bound.", "",
-              "| timesteps | B_simple | interval |", "|---|---|---|",
-              f"| all (marginal) | {_num(m.value, none='not resolved')} | {_interval(m.lo, m.hi)} |"]
+    return lines + [""]
+
+
+def _noise_section(a: Advice) -> list[str]:
+    m = a.noise.marginal
+    lines = ["## b. Gradient noise scale at the checkpoint", "",
+             f"B_simple = tr(Σ)/|G|² from single-sample gradients of the checkpoint's weights on fixed probe draws "
+             f"(`Trainer.bucket_noise_scale`, two passes, jackknife + Fieller interval at {a.noise.level:.0%}); "
+             f"marginal: {a.noise.samples} draws with timesteps uniform as in training. An unresolved value "
+             "(|G|²'s interval includes 0) has only a lower bound.", "",
+             "| timesteps | B_simple | interval |", "|---|---|---|",
+             f"| all (marginal) | {_num(m.value, none='not resolved')} | {_interval(m.lo, m.hi)} |"]
     for (t0, t1), e in a.noise.buckets:
         lines.append(f"| {t0}–{t1 - 1} | {_num(e.value, none='not resolved')} | {_interval(e.lo, e.hi)} |")
     if a.noise.adam is not None:
@@ -234,26 +248,31 @@ def markdown(a: Advice, figure: Path) -> str:
                   "", "The last row: the marginal draws' tr(PΣ)/GᵀPG with P = 1/(√v̂ + ε) from the checkpoint's Adam "
                   "state, the noise scale of the gradient Adam acts on (B_simple assumes plain SGD); reported beside "
                   "the plain one, not used for the advice."]
-    lines += ["", "## c. Training branches from the checkpoint", "",
-              f"The branches at the largest batch (and at each next one down while none lowered the val loss) train "
-              f"{plan.samples} samples from the checkpoint (global samples "
-              f"{plan.start} onwards: the same samples at every batch within a seed), the smaller batches until "
-              f"their EMA is past the target at two validations in a row; lr {plan.lr:.3g} held constant (the lr in force "
-              f"at the checkpoint; train.lr_scaling applied per batch), seeds {', '.join(map(str, plan.seeds))}, EMA "
-              f"half-life {plan.ema_halflife:g} samples; the EMA is validated every {plan.val_every} samples on "
-              f"{plan.val_draws} draws per validation subject, each validation placed at the mean sample "
-              f"position of the EMA's weights (the checkpoint's EMA sits at {plan.ema_position:.0f}): its lag, the same "
-              "in samples at every batch, drops out, and so does the raw iterate's gradient noise, larger at small "
-              f"batches. {_moment_sentence(plan)} Target: the val loss {_num(b.target_loss, '.5g')} (the checkpoint's EMA: {b.start_loss:.5g}), "
-              f"80 % of the way from the level of the largest batch that made progress (B = {_target_batch(b)}) once "
-              "its EMA forgot the checkpoint's "
-              f"(after {plan.usable_from:g} samples) to its end level; the position where each "
-              "branch crosses it, read between validations, / B = its steps, fitted with S = S_min(1 + B_crit/B) "
-              "(`voxdiff.analysis.convergence`); the interval by a bootstrap over seeds and over each curve's validations around "
-              "its trend (the seeds alone give "
-              f"{_interval(*b.seed_interval) if b.seed_interval[0] is not None else '—'}).", "",
-              "| effective batch | runs as | samples trained | val-loss gain (mean ± std over seeds) | gain per 1000 "
-              "samples | gain per step | steps to target |", "|---|---|---|---|---|---|---|"]
+    return lines + [""]
+
+
+def _branches_section(a: Advice) -> list[str]:
+    b, plan = a.branch, a.plan
+    lines = ["## c. Training branches from the checkpoint", "",
+             f"The branches at the largest batch (and at each next one down while none lowered the val loss) train "
+             f"{plan.samples} samples from the checkpoint (global samples "
+             f"{plan.start} onwards: the same samples at every batch within a seed), the smaller batches until "
+             f"their EMA is past the target at two validations in a row; lr {plan.lr:.3g} held constant (the lr in force "
+             f"at the checkpoint; train.lr_scaling applied per batch), seeds {', '.join(map(str, plan.seeds))}, EMA "
+             f"half-life {plan.ema_halflife:g} samples; the EMA is validated every {plan.val_every} samples on "
+             f"{plan.val_draws} draws per validation subject, each validation placed at the mean sample "
+             f"position of the EMA's weights (the checkpoint's EMA sits at {plan.ema_position:.0f}): its lag, the same "
+             "in samples at every batch, drops out, and so does the raw iterate's gradient noise, larger at small "
+             f"batches. {_moment_sentence(plan)} Target: the val loss {_num(b.target_loss, '.5g')} (the checkpoint's EMA: {b.start_loss:.5g}), "
+             f"80 % of the way from the level of the largest batch that made progress (B = {_target_batch(b)}) once "
+             "its EMA forgot the checkpoint's "
+             f"(after {plan.usable_from:g} samples) to its end level; the position where each "
+             "branch crosses it, read between validations, / B = its steps, fitted with S = S_min(1 + B_crit/B) "
+             "(`voxdiff.analysis.convergence`); the interval by a bootstrap over seeds and over each curve's validations around "
+             "its trend (the seeds alone give "
+             f"{_interval(*b.seed_interval) if b.seed_interval[0] is not None else '—'}).", "",
+             "| effective batch | runs as | samples trained | val-loss gain (mean ± std over seeds) | gain per 1000 "
+             "samples | gain per step | steps to target |", "|---|---|---|---|---|---|---|"]
     per_sample, per_step, trained = _gain_rates(a, False), _gain_rates(a, True), _samples_per_batch(a)
     for batch in plan.batches:
         mu = plan.micro[batch]
@@ -265,16 +284,19 @@ def markdown(a: Advice, figure: Path) -> str:
                      f"| {_num(None if batch not in per_sample else 1000 * per_sample[batch], '.3g')} "
                      f"| {_num(per_step.get(batch), '.3g')} | {steps} |")
     checks = ", ".join(f"{_num(v)} at {f:.0%} of the gain" for f, v in b.checks.items())
-    lines += ["", f"B_crit at other targets: {checks or '—'}." + (f" Dropped (never reached the target): "
-                                                                  f"{', '.join(b.dropped)}." if b.dropped else ""),
-              *([f"Note: {b.note}."] if b.note else []), "",
-              "## What it cost", "",
-              f"{sum(a.seconds.values()):.0f} s in all (" + ", ".join(f"{k} {v:.0f} s" for k, v in a.seconds.items())
-              + f"); {a.training_samples} samples through forward and backward, {a.validation_draws} validation "
-              "draws (forward only).", ""]
+    return lines + ["", f"B_crit at other targets: {checks or '—'}." + (f" Dropped (never reached the target): "
+                                                                        f"{', '.join(b.dropped)}." if b.dropped else ""),
+                    *([f"Note: {b.note}."] if b.note else []), ""]
+
+
+def _cost_section(a: Advice) -> list[str]:
+    lines = ["## What it cost", "",
+             f"{sum(a.seconds.values()):.0f} s in all (" + ", ".join(f"{k} {v:.0f} s" for k, v in a.seconds.items())
+             + f"); {a.training_samples} samples through forward and backward, {a.validation_draws} validation "
+             "draws (forward only).", ""]
     if a.notes:
         lines += ["## Notes", "", *(f"- {n}" for n in a.notes), ""]
-    return "\n".join(lines)
+    return lines
 
 
 # --- the figure ------------------------------------------------------------------------------------------
