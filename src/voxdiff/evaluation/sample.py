@@ -48,21 +48,38 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     """Generate for one label map and write `out_path`; returns a summary (seconds, shapes, steps, warnings).
 
     Every input (output name, checkpoint, label map, network) is checked before anything is written."""
-    import nibabel as nib
     import numpy as np
     import torch
 
-    from voxdiff.training import checkpoint
-
-    from voxdiff.data import nifti
-
     from voxdiff.diffusion import sampling
-    from voxdiff.runtime import distributed
-    from voxdiff.runtime.errors import VoxdiffError
-    from voxdiff.runtime.fsutil import atomic_path, check_writable
-    from voxdiff.data.preprocess import preprocess_label, to_original_grid
+    from voxdiff.runtime.fsutil import check_writable
 
     checkpoint_path, label_path, out_path = Path(checkpoint_path), Path(label_path), Path(out_path)
+    _check_request(out_path, sampler, steps)
+    default_steps, default_seed, device_request, precision_request, tf32, deterministic = _settings(
+        Path(params_path) if params_path else None)
+    steps = default_steps if steps is None else steps
+    seed = default_seed if seed is None else seed
+    m = _load_for_label_map(checkpoint_path, label_path, device_request, precision_request, tf32, deterministic)
+    check_writable(out_path)  # the inputs are good: now the output, still before the sampling (minutes)
+
+    record: list[dict] = []
+    labels = torch.from_numpy(np.asarray(m.classes, np.int64))[None]
+    generated = sampling.generate(m.net, m.diffusion, labels, m.num_classes, steps, seed, sampler,
+                                  progress=progress, record=record, autocast=m.runtime.autocast)[0, 0].numpy()
+    volume = _write_on_label_grid(generated, m.placement, label_path, out_path)
+    # The same crop measure as training's (place_grid), and the one thing a label map alone cannot match.
+    crop = m.placement.crop_warning("labelled voxels")
+    warnings = [w for w in (crop and f"{crop}; they are -1 in the output", m.placement.small_warning()) if w]
+    return {"out": str(out_path), "shape": list(volume.shape), "orientation": m.provenance["original_orientation"],
+            "sampler": sampler, "steps": record[0]["steps"], "seed": seed, "seconds": record[0]["seconds"],
+            "peak_memory_mb": record[0]["peak_memory_mb"], "device": str(m.device), "precision": m.runtime.precision,
+            "cropped_fraction": m.placement.cropped_fraction, "warnings": warnings}
+
+
+def _check_request(out_path: Path, sampler: str, steps: int | None) -> None:
+    from voxdiff.runtime.errors import VoxdiffError
+
     if not _nifti_suffix(out_path):
         raise VoxdiffError(f"{out_path}: the output must be a NIfTI file name ending in .nii or .nii.gz")
     if out_path.is_dir():
@@ -70,10 +87,17 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     if sampler == "ancestral" and steps is not None:
         raise VoxdiffError("--steps is for --sampler ddim; the ancestral sampler always runs all "
                            "diffusion.timesteps steps of the checkpoint")
-    settings = _settings(Path(params_path) if params_path else None)
-    default_steps, default_seed, device_request, precision_request, tf32, deterministic = settings
-    steps = default_steps if steps is None else steps
-    seed = default_seed if seed is None else seed
+
+
+def _load_for_label_map(checkpoint_path: Path, label_path: Path, device_request: str, precision_request: str,
+                        tf32: bool, deterministic: bool) -> SimpleNamespace:
+    """The checkpoint's EMA network on its device and precision, and the label map preprocessed by the
+    checkpoint's own preprocess section and label values (not params.yaml's)."""
+    from voxdiff.data.preprocess import preprocess_label
+    from voxdiff.diffusion import sampling
+    from voxdiff.runtime import distributed
+    from voxdiff.runtime.errors import VoxdiffError
+    from voxdiff.training import checkpoint
 
     state = checkpoint.load(checkpoint_path)
     label_values = sampling.checkpoint_label_values(state, checkpoint_path)
@@ -81,19 +105,25 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
     if list(state.get("shape", [])) != list(prep.shape):
         raise VoxdiffError(f"{checkpoint_path}: its grid {state.get('shape')} disagrees with its preprocess.shape "
                            f"{list(prep.shape)}; not a usable voxdiff checkpoint")
-    # preprocess_label reads data.label_values and the preprocess section: the checkpoint's, not params.yaml's.
     view = SimpleNamespace(data=SimpleNamespace(label_values=label_values), preprocess=prep)
     classes, placement, provenance = preprocess_label(label_path, view)
     device = distributed.pick_device(device_request)
     distributed.configure_backends(device, tf32, deterministic)  # CUDA only: TF32 and cuDNN as evaluate sets them
-    rt = sampling.checkpoint_runtime(state, device, precision_request, checkpoint_path)  # evaluate's precision
+    runtime = sampling.checkpoint_runtime(state, device, precision_request, checkpoint_path)  # evaluate's precision
     net, _, diffusion = sampling.load_ema_network(state, device, source=checkpoint_path, num_classes=len(label_values))
-    check_writable(out_path)  # the inputs are good: now the output, still before the sampling (minutes)
+    return SimpleNamespace(net=net, diffusion=diffusion, runtime=runtime, device=device, classes=classes,
+                           num_classes=len(label_values), placement=placement, provenance=provenance)
 
-    record: list[dict] = []
-    labels = torch.from_numpy(np.asarray(classes, np.int64))[None]
-    generated = sampling.generate(net, diffusion, labels, len(label_values), steps, seed, sampler,
-                                  progress=progress, record=record, autocast=rt.autocast)[0, 0].numpy()
+
+def _write_on_label_grid(generated, placement, label_path: Path, out_path: Path):
+    """The generated volume mapped back onto the label map's own grid (affine and shape), written atomically."""
+    import nibabel as nib
+    import numpy as np
+
+    from voxdiff.data import nifti
+    from voxdiff.data.preprocess import to_original_grid
+    from voxdiff.runtime.errors import VoxdiffError
+    from voxdiff.runtime.fsutil import atomic_path
 
     original = nifti.open_header(label_path)  # the grid to return to (checked already, header only)
     volume = to_original_grid(generated, placement.affine, original, order=1, cval=-1.0).astype(np.float32)
@@ -104,13 +134,7 @@ def sample_label_map(checkpoint_path, label_path, out_path, steps: int | None = 
             nib.save(img, tmp)
     except OSError as e:
         raise VoxdiffError(f"{out_path}: cannot write ({e.strerror or type(e).__name__})") from None
-    # The same crop measure as training's (place_grid), and the one thing a label map alone cannot match.
-    crop = placement.crop_warning("labelled voxels")
-    warnings = [w for w in (crop and f"{crop}; they are -1 in the output", placement.small_warning()) if w]
-    return {"out": str(out_path), "shape": list(volume.shape), "orientation": provenance["original_orientation"],
-            "sampler": sampler, "steps": record[0]["steps"], "seed": seed, "seconds": record[0]["seconds"],
-            "peak_memory_mb": record[0]["peak_memory_mb"], "device": str(device), "precision": rt.precision,
-            "cropped_fraction": placement.cropped_fraction, "warnings": warnings}
+    return volume
 
 
 @click.command("sample")
