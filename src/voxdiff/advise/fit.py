@@ -377,14 +377,7 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
         if not stalled:
             return BranchFit(**empty, note="no branches")
         return BranchFit(**{**empty, "plateau": True, "jitter": progress[stalled[-1]].jitter},
-                         note=f"no measurable progress at B = {listed}, the batches that may set the target (the "
-                              "fall of a line through a batch's validations over its branch; the resolution: the "
-                              f"least fall the validations' jitter does not make, at {level:.0%}): "
-                              "the checkpoint is at a plateau at this lr, so B_crit is not measurable here (or the "
-                              "branches are too short to show progress: raise --budget-samples); from here "
-                              "accumulate_every changes the samples per step, not where the loss settles. For the "
-                              "critical batch of a training run, advise on a checkpoint from earlier in it (or "
-                              "--from-scratch)")
+                         note=_plateau_note(listed, level))
     notes = [f"B = {listed} made no measurable progress over {'its branch' if len(stalled) == 1 else 'their branches'}"
              " (at this lr a larger batch can be past what it trains stably at): left out of the target and the "
              f"fit; the target set by B = {max(batches)}"] if stalled else []
@@ -413,15 +406,32 @@ def fit_branches(curves: list[BranchCurve], level: float = 0.9, usable_from: flo
         notes.append(f"not resolved at this budget: the interval spans {lo:.3g}-{hi:.3g}; the val loss moves by "
                      f"{jitter_text} between validations against a gain of {mean_gain[big]:.2g} at B = {big}: more "
                      "--budget-samples or --branch-seeds, or a checkpoint from earlier in training (faster progress)")
+    notes += _fit_notes(fit, early, batches)
+    return BranchFit(fit.b_crit, lo, hi, level, law, start, target, mean_gain, spread, steps, dropped,
+                     checks, early, "; ".join(notes), (seeds.lo, seeds.hi), noise, stalled)
+
+
+def _plateau_note(listed: str, level: float) -> str:
+    return (f"no measurable progress at B = {listed}, the batches that may set the target (the fall of a line "
+            "through a batch's validations over its branch; the resolution: the least fall the validations' jitter "
+            f"does not make, at {level:.0%}): the checkpoint is at a plateau at this lr, so B_crit is not measurable "
+            "here (or the branches are too short to show progress: raise --budget-samples); from here "
+            "accumulate_every changes the samples per step, not where the loss settles. For the critical batch of a "
+            "training run, advise on a checkpoint from earlier in it (or --from-scratch)")
+
+
+def _fit_notes(fit, early: list[str], batches: list[int]) -> list[str]:
+    """What a user must know of a fitted B_crit: crossings timed while the EMA held the checkpoint, and a fit at
+    either end of the batches (a bound, not a value)."""
+    notes = []
     if early:
         notes.append(f"{', '.join(early)} crossed the target while the EMA still held the checkpoint's weights: "
                      "timed at the samples trained, an upper bound on their steps (a larger --budget-samples sets a "
                      "deeper target)")
     if not fit.resolved:
         notes.append(f"steps did not fall with B over the batches fitted (B_crit below {min(batches)})"
-                     if fit.b_crit == 0 else f"steps fell as 1/B over every batch fitted (B_crit above {big})")
-    return BranchFit(fit.b_crit, lo, hi, level, law, start, target, mean_gain, spread, steps, dropped,
-                     checks, early, "; ".join(notes), (seeds.lo, seeds.hi), noise, stalled)
+                     if fit.b_crit == 0 else f"steps fell as 1/B over every batch fitted (B_crit above {max(batches)})")
+    return notes
 
 
 # --- the two estimates side by side ---------------------------------------------------------------
