@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import TINY, raw_params, write_tiny_cache
+from conftest import TINY, make_params, raw_params, write_tiny_cache
 from mlflow_server import free_port  # torchrun's port: a free one, so that runs side by side never share it
 
 pytestmark = pytest.mark.slow
@@ -121,6 +121,18 @@ def test_changed_params_start_fresh(tmp_path):
     assert load_ckpt(root)["step"] == 4
 
 
+def train_here(root: Path, overrides: dict, monkeypatch) -> None:
+    """The one-process reference of a DDP comparison, trained in this test process: the same code path as
+    `voxdiff train` from `run_training` on, without a second interpreter's start-up (~6 s of CPU importing
+    torch, MONAI and MLflow). The comparisons are to 1e-5, not bit for bit, so this process's state is no matter."""
+    from voxdiff.pipeline.train import run_training
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env_for(root)["MLFLOW_TRACKING_URI"])
+    for name in ("DVC_EXP_NAME", "DVC_ROOT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    run_training(make_params(overrides), root, progress=False)
+
+
 def run_ddp(root: Path, port: int) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            "-m", "voxdiff.cli", "train", "--root", str(root), "--no-progress"]
@@ -136,13 +148,13 @@ def rel_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("max_samples", [8, 3])
-def test_ddp_two_gloo_processes_match_one_process(tmp_path, max_samples):
+def test_ddp_two_gloo_processes_match_one_process(tmp_path, max_samples, monkeypatch):
     """torchrun --nproc_per_node 2 (b=1, k=1) equals one process with b=1, k=2 — also when the last
     window leaves one rank without a sample (max_samples=3). With k=1 the noise scale is measured from
     each rank's local gradient (comm hook) and equals the single process's micro-batch estimate."""
     common = {"train.max_samples": max_samples, "train.batch_size": 1, "train.grad_clip": 0.0}
     single = project(tmp_path / "single", {**common, "train.accumulate_every": 2})
-    subprocess.run(train_cmd(single), env=env_for(single), check=True, capture_output=True)
+    train_here(single, {**common, "train.accumulate_every": 2}, monkeypatch)
 
     ddp = project(tmp_path / "ddp", {**common, "train.accumulate_every": 1})
     out = run_ddp(ddp, free_port())
@@ -165,13 +177,13 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path, max_samples):
             assert rel_diff(as_float(x), as_float(y)) <= 1e-3  # fp16 files of weights equal to 1e-5
 
 
-def test_ddp_no_sync_accumulation_matches_one_process(tmp_path):
+def test_ddp_no_sync_accumulation_matches_one_process(tmp_path, monkeypatch):
     """2 processes x accumulate 2 (the no_sync path) equal 1 process x accumulate 4, with gradient
     clipping on: weights, EMA weights and the logged pre-clip gradient norms. The tiny model's norms are
     0.6-0.8, so the limit is 0.5 (the default 1.0 would never clip here and test nothing)."""
     common = {"train.max_samples": 16, "train.batch_size": 1, "train.grad_clip": 0.5}
     single = project(tmp_path / "single", {**common, "train.accumulate_every": 4})
-    subprocess.run(train_cmd(single), env=env_for(single), check=True, capture_output=True)
+    train_here(single, {**common, "train.accumulate_every": 4}, monkeypatch)
     ddp = project(tmp_path / "ddp", {**common, "train.accumulate_every": 2})
     run_ddp(ddp, free_port())
     a, b = load_ckpt(single), load_ckpt(ddp)
