@@ -29,15 +29,27 @@ while read -r overrides; do
   dvc exp run --queue $overrides >/dev/null
 done < .study-queue
 rm -f .study-queue
+workers_up() {  # workers answering the queue's status call
+  dvc queue status | sed -nE 's/^Worker status: ([0-9]+) active, ([0-9]+) idle.*/\1 \2/p' | awk '{n = $1 + $2} END {print n + 0}'
+}
 start_workers() {
   if [ -z "${STUDY_CPUS:-}" ]; then
     dvc queue start -j 1
     return
   fi
-  local cpus
-  for cpus in $STUDY_CPUS; do  # one worker per space-separated group ("0 1": two, one core each)
+  local cpus n=0 tries
+  # One worker per space-separated group ("0 1": two, one core each), each with its own number: `dvc queue start
+  # -j n` starts those of workers 1..n that do not answer, so worker n - 1 must answer before worker n starts
+  # (two workers of one number share a pid file and each other's shutdown messages).
+  # shellcheck disable=SC2086  # STUDY_CPUS holds several groups
+  for cpus in $STUDY_CPUS; do
+    for ((tries = 0; n > 0 && tries < 24; tries++)); do
+      [ "$(workers_up)" -ge "$n" ] && break
+      sleep 5
+    done
+    n=$((n + 1))
     # The queue's worker and the trainings it starts inherit the affinity and the thread count.
-    OMP_NUM_THREADS=$(tr ',' '\n' <<<"$cpus" | wc -l) taskset -c "$cpus" dvc queue start -j 1
+    OMP_NUM_THREADS=$(tr ',' '\n' <<<"$cpus" | wc -l) taskset -c "$cpus" dvc queue start -j "$n"
   done
 }
 start_workers
