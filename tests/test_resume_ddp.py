@@ -128,8 +128,8 @@ def train_here(root: Path, overrides: dict, monkeypatch) -> None:
     from voxdiff.pipeline.train import run_training
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", env_for(root)["MLFLOW_TRACKING_URI"])
-    for name in ("DVC_EXP_NAME", "DVC_ROOT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    for name in [k for k in os.environ if k.startswith(("DVC_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))]:  # as env_for
+        monkeypatch.delenv(name)
     run_training(make_params(overrides), root, progress=False)
 
 
