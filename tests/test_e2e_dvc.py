@@ -82,14 +82,15 @@ def experiment_refs(repo: Path) -> int:
     return sum(bool(re.fullmatch(r"refs/exps/[0-9a-f]{2}/[0-9a-f]{38}/[^/]+", ref)) for ref in refs)
 
 
-def run_queue(repo: Path, grid: str, jobs: int, timeout_s: float = 600) -> None:
-    """Queue the grid (one -S key=v1,v2,...), run the queue with `jobs` workers, wait; fail with the failed tasks'
-    logs. It waits on the experiments' git refs (a git call) and asks `dvc queue status` (~1.5 s of CPU, taken
-    from the trainings it waits for) only every 20 s and once their refs are all there."""
+def run_queue(repo: Path, grid: str, jobs: int, timeout_s: float = 600, targets: tuple[str, ...] = ()) -> None:
+    """Queue the grid (one -S key=v1,v2,...; the pipeline up to `targets`, default all of it), run the queue with
+    `jobs` workers, wait; fail with the failed tasks' logs. It waits on the experiments' git refs (a git call) and
+    asks `dvc queue status` (~1.5 s of CPU, taken from the trainings it waits for) only every 20 s and once their
+    refs are all there."""
     import time
 
     expected = experiment_refs(repo) + len(grid.split("=", 1)[1].split(","))
-    sh(repo, "dvc", "exp", "run", "--queue", "-S", grid)
+    sh(repo, "dvc", "exp", "run", "--queue", *targets, "-S", grid)
     sh(repo, "dvc", "queue", "start", "-j", str(jobs))
     asked = time.time()
     deadline = asked + timeout_s
@@ -233,10 +234,11 @@ def test_pipeline_repro_experiments_and_queue(tmp_path):
     header = show.stdout.splitlines()[0]
     assert "train.accumulate_every" in header and "val_loss" in header and "final_val_loss" not in header
 
-    # 4. A 2-run grid from the committed baseline: `dvc exp show --only-changed` fits a 160-column
-    # terminal. Before the DVC metrics were split it was 2467 characters wide (70 metric columns and a
-    # 32-character hash for each of models/checkpoint.pt and metrics/train.json).
-    run_queue(repo, "train.accumulate_every=1,8", jobs=1)
+    # 4. A 2-run grid from the committed baseline, on 2 workers (two trainings, then two evaluations, logging to one
+    # store at once): `dvc exp show --only-changed` fits a 160-column terminal. Before the DVC metrics were split it
+    # was 2467 characters wide (70 metric columns and a 32-character hash for each of models/checkpoint.pt and
+    # metrics/train.json).
+    run_queue(repo, "train.accumulate_every=1,8", jobs=2)
     width, table = show_width(repo, "--only-changed")
     assert width <= 160, table
     lines = table.splitlines()
@@ -247,13 +249,15 @@ def test_pipeline_repro_experiments_and_queue(tmp_path):
 
 
 def test_queued_grid_creates_one_run_each(tmp_path):
-    """3 queued settings, 2 workers, no MLflow store beforehand: exactly 3 runs with the right params."""
+    """3 queued settings, 2 workers, no MLflow store beforehand: exactly 3 runs with the right params. The queue
+    runs the pipeline up to train: what is tested is the runs' creation (two trainings creating one store at
+    once); queued evaluations, two at once, are test_pipeline_repro_experiments_and_queue's grid."""
     repo = make_repo(tmp_path / "proj")
     sh(repo, "dvc", "repro", "preprocess")
     sh(repo, "git", "add", "-A")
     sh(repo, "git", "commit", "-qm", "data")
     assert not (repo / "mlflow.db").exists()
-    run_queue(repo, "train.accumulate_every=1,2,4", jobs=2)
+    run_queue(repo, "train.accumulate_every=1,2,4", jobs=2, targets=("train",))
     client, runs = mlflow_runs(repo)
     settings = sorted(r.data.params["train.accumulate_every"] for r in runs)
     assert settings == ["1", "2", "4"], settings
