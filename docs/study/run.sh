@@ -29,8 +29,8 @@ while read -r overrides; do
   dvc exp run --queue $overrides >/dev/null
 done < .study-queue
 rm -f .study-queue
-workers_up() {  # workers answering the queue's status call
-  dvc queue status | sed -nE 's/^Worker status: ([0-9]+) active, ([0-9]+) idle.*/\1 \2/p' | awk '{n = $1 + $2} END {print n + 0}'
+workers_in() {  # how many workers, active or idle, a `dvc queue status` text ($1) shows
+  sed -nE 's/^Worker status: ([0-9]+) active, ([0-9]+) idle.*/\1 \2/p' <<<"$1" | awk '{n = $1 + $2} END {print n + 0}'
 }
 start_workers() {
   if [ -z "${STUDY_CPUS:-}" ]; then
@@ -44,7 +44,7 @@ start_workers() {
   # shellcheck disable=SC2086  # STUDY_CPUS holds several groups
   for cpus in $STUDY_CPUS; do
     for ((tries = 0; n > 0 && tries < 24; tries++)); do
-      [ "$(workers_up)" -ge "$n" ] && break
+      [ "$(workers_in "$(dvc queue status)")" -ge "$n" ] && break
       sleep 5
     done
     n=$((n + 1))
@@ -63,7 +63,7 @@ while sleep 30 && status=$(dvc queue status) && grep -qE 'Queued|Running' <<<"$s
   # A worker can stop after one task (a stale shutdown message in the queue's broker): start the workers again,
   # but only once no worker has shown for two polls in a row (a worker just started may not show yet: restarting
   # then would put a second worker, and its training, on the first one's core).
-  if ! grep -q Running <<<"$status" && grep -q 'Worker status: 0 active, 0 idle' <<<"$status"; then
+  if ! grep -q Running <<<"$status" && [ "$(workers_in "$status")" -eq 0 ]; then
     idle_polls=$((idle_polls + 1))
   else
     idle_polls=0
