@@ -50,6 +50,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if `proc` is still there after `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, what: str = "") -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -147,11 +156,7 @@ async def screenshot(url: str, out: Path, width: int, height: int, timeout_s: fl
                 reader.cancel()
                 return last
     finally:
-        browser.terminate()
-        try:
-            browser.wait(10)
-        except subprocess.TimeoutExpired:
-            browser.kill()
+        stop(browser, 10)
         log.close()
         shutil.rmtree(profile, ignore_errors=True)
 
@@ -196,11 +201,7 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}{path}"
             traces = asyncio.run(screenshot(url, a.out, width, height, 120))
         finally:
-            server.terminate()
-            try:
-                server.wait(15)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop(server, 15)
     print(f"wrote {a.out} ({traces} curves drawn; {len(result.groups)} groups of {a.group_by}) from {url}")
 
 
