@@ -113,6 +113,28 @@ def test_fit_recovers_b_crit_under_seed_noise_and_the_bootstrap_interval_covers_
     assert np.mean([r.lo <= 3.0 <= r.hi for r in results]) >= 0.80
 
 
+def test_paired_bootstrap_resamples_seeds_across_batches():
+    """Seeds that differ by a factor shared across the batches (a seed's runs see the same draws; here ±30 %,
+    with 2 % of each run's own): the paired interval resamples whole seeds, so that factor moves S_min, not
+    B_crit, and its interval is narrow and covers the truth; resampling within each batch (unpaired) mixes one
+    seed's batch-1 run with another's batch-8 run and reads the seed factor as a slope: many times wider (in log)."""
+    def shared_seed_steps(rng, seeds=5):
+        seed_factor = np.exp(rng.normal(0, 0.3, seeds))
+        return {int(b): list(50.0 * (1 + 3.0 / b) * seed_factor * np.exp(rng.normal(0, 0.02, seeds))) for b in B}
+
+    per_batch = shared_seed_steps(np.random.default_rng(5))
+    paired = bootstrap_critical_batch(per_batch, n_boot=2000, paired=True)
+    unpaired = bootstrap_critical_batch(per_batch, n_boot=2000)
+    assert paired.b_crit == unpaired.b_crit == pytest.approx(3.0, rel=0.10)  # one fit to all runs either way
+    assert paired.lo < 3.0 < paired.hi and paired.hi / paired.lo < 1.5
+    assert math.log(unpaired.hi / unpaired.lo) > 5 * math.log(paired.hi / paired.lo)  # here 0.99 against 0.06
+    rng = np.random.default_rng(13)
+    results = [bootstrap_critical_batch(shared_seed_steps(rng), n_boot=500, seed=i, paired=True) for i in range(40)]
+    assert np.mean([r.lo <= 3.0 <= r.hi for r in results]) >= 0.80
+    with pytest.raises(ValueError, match="same seeds at every batch"):
+        bootstrap_critical_batch({1: [10.0, 11.0], 2: [6.0]}, paired=True)
+
+
 def test_negative_control_without_batch_dependence_is_unresolved():
     """Samples-to-target that do not depend on B (perfect scaling, S = E / B): B_crit far above every
     batch tested or unresolved (inf), and the interval open upwards. Steps that do not depend on B:

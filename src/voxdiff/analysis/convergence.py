@@ -237,11 +237,14 @@ def fit_critical_batch(batches, steps_to_target) -> CriticalBatchFit:
 
 
 def bootstrap_critical_batch(per_batch_seed_steps: dict[float, list[float]], n_boot: int = 2000, seed: int = 0,
-                             level: float = 0.95) -> CriticalBatchCI:
+                             level: float = 0.95, paired: bool = False) -> CriticalBatchCI:
     """B_crit fitted to every run, and a percentile bootstrap interval over seeds: each replicate
-    resamples the runs within each batch with replacement and refits. An end of the interval at the
-    edge of the search range is reported as 0 or inf (unresolved). With 3 seeds a batch the bootstrap
-    sees only 10 distinct resamples per batch and its interval is on the narrow side."""
+    resamples the runs within each batch with replacement and refits. With `paired`, the lists hold the
+    same seeds in the same order at every batch (a seed's runs share their draws) and a replicate resamples
+    seeds, each drawn seed bringing its run at every batch: the seed-to-seed variation that every batch
+    shares then moves all of a replicate's runs together instead of widening the interval. An end of the
+    interval at the edge of the search range is reported as 0 or inf (unresolved). With 3 seeds a batch the
+    bootstrap sees only 10 distinct resamples per batch and its interval is on the narrow side."""
     batches = sorted(per_batch_seed_steps)
     b = np.concatenate([np.full(len(per_batch_seed_steps[k]), float(k)) for k in batches])
     s = np.concatenate([np.asarray(per_batch_seed_steps[k], float) for k in batches])
@@ -249,11 +252,15 @@ def bootstrap_critical_batch(per_batch_seed_steps: dict[float, list[float]], n_b
     point = fit_critical_batch(b, s)
     rng = np.random.default_rng(seed)
     log_s = np.log(s)
-    columns, start = [], 0
-    for k in batches:
-        n = len(per_batch_seed_steps[k])
-        columns.append(start + rng.integers(0, n, size=(n_boot, n)))
-        start += n
+    sizes = [len(per_batch_seed_steps[k]) for k in batches]
+    if paired:
+        if len(set(sizes)) != 1:
+            raise ValueError(f"a paired bootstrap needs the same seeds at every batch, not {sizes} runs")
+        pick = rng.integers(0, sizes[0], size=(n_boot, sizes[0]))
+        columns = [i * sizes[0] + pick for i in range(len(batches))]
+    else:
+        starts = np.cumsum([0, *sizes[:-1]])
+        columns = [start + rng.integers(0, n, size=(n_boot, n)) for start, n in zip(starts, sizes)]
     replicates = log_s[np.concatenate(columns, axis=1)]          # (n_boot, runs), batch order kept
     c, _, inside = _profile_fit(b, replicates)
     grid_mid = 0.5 * (math.log(b.min()) + math.log(b.max()))

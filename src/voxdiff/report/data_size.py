@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from voxdiff.analysis.convergence import fit_critical_batch
+from voxdiff.analysis.convergence import bootstrap_critical_batch, fit_critical_batch
 from voxdiff.report.loading import RunData, as_float, read_archive
 from voxdiff.report.rendering import CROSSING_METHODS, mean_std
 from voxdiff.analysis.statistics import paired_ratio
@@ -56,17 +56,10 @@ def paired_bcrit(by_k: dict[int, dict[str, RunData]], target: float, smooth: int
     steps = {k: [by_k[k][s].crossing(target, by_k[k][s].val_steps, smooth) for s in seeds] for k in by_k}
     if any(v is None for vs in steps.values() for v in vs):
         return None
-    b = np.array([k for k in by_k for _ in seeds], float)
-    point = fit_critical_batch(b, [v for k in by_k for v in steps[k]]).b_crit
-    rng = np.random.default_rng(seed)
-    boots = []
-    for _ in range(n_boot if len(seeds) > 1 else 0):
-        pick = rng.integers(0, len(seeds), len(seeds))
-        boots.append(fit_critical_batch(b, [steps[k][i] for k in by_k for i in pick]).b_crit)
-    if not boots:
-        return point, math.nan, math.nan
-    lo, hi = np.percentile(boots, [2.5, 97.5])
-    return point, float(lo), float(hi)
+    if len(seeds) < 2 or n_boot == 0:
+        return fit_critical_batch([k for k in steps for _ in seeds], [v for vs in steps.values() for v in vs]).b_crit, \
+            math.nan, math.nan
+    return tuple(bootstrap_critical_batch(steps, n_boot=n_boot, seed=seed, paired=True))
 
 
 def method_spread(by_k: dict[int, dict[str, RunData]], target: float) -> tuple[float, float] | None:
