@@ -57,6 +57,7 @@ def stop(proc: subprocess.Popen, grace_s: float) -> None:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None, what: str = "") -> None:

@@ -120,7 +120,8 @@ def test_paired_bootstrap_resamples_seeds_across_batches():
     seed's batch-1 run with another's batch-8 run and reads the seed factor as a slope: many times wider (in log)."""
     def shared_seed_steps(rng, seeds=5):
         seed_factor = np.exp(rng.normal(0, 0.3, seeds))
-        return {int(b): list(50.0 * (1 + 3.0 / b) * seed_factor * np.exp(rng.normal(0, 0.02, seeds))) for b in B}
+        # batches inserted largest first: the bootstrap must line the seeds up by batch, not by the dict's order
+        return {int(b): list(50.0 * (1 + 3.0 / b) * seed_factor * np.exp(rng.normal(0, 0.02, seeds))) for b in B[::-1]}
 
     per_batch = shared_seed_steps(np.random.default_rng(5))
     paired = bootstrap_critical_batch(per_batch, n_boot=2000, paired=True)
