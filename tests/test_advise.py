@@ -56,12 +56,11 @@ QUADRATIC = {"diffusion.prediction": "epsilon", "diffusion.loss": "l2", "train.g
              "train.gns_bucket_samples": 8, "train.phema_sigma_rels": []}
 
 
-def make_project(root, overrides: dict, c: float = C, run_id: str = "", warm_steps: int = 0):
-    """A tiny project (16^3 cache, params.yaml) and models/checkpoint.pt holding w = c everywhere, after
-    `warm_steps` optimizer steps at a negligible lr (Adam's moments warmed as in a real checkpoint; w kept)."""
+def tiny_trainer(root, overrides: dict):
+    """(params, Trainer) of a tiny project written to `root`: a 16^3 cache and params.yaml (TINY + overrides,
+    logging to the project's own SQLite store)."""
     from voxdiff.data.cache import open_cache
     from voxdiff.params import load
-    from voxdiff.training import checkpoint
     from voxdiff.runtime.distributed import init_runtime
 
     write_tiny_cache(root)
@@ -69,7 +68,15 @@ def make_project(root, overrides: dict, c: float = C, run_id: str = "", warm_ste
     raw["mlflow"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
     params = load(root / "params.yaml")
-    tr = trainer_mod.Trainer(params, root, init_runtime("cpu", "fp32"), open_cache(root / "data" / "processed"))
+    return params, trainer_mod.Trainer(params, root, init_runtime("cpu", "fp32"), open_cache(root / "data" / "processed"))
+
+
+def make_project(root, overrides: dict, c: float = C, run_id: str = "", warm_steps: int = 0):
+    """A tiny project (16^3 cache, params.yaml) and models/checkpoint.pt holding w = c everywhere, after
+    `warm_steps` optimizer steps at a negligible lr (Adam's moments warmed as in a real checkpoint; w kept)."""
+    from voxdiff.training import checkpoint
+
+    params, tr = tiny_trainer(root, overrides)
     with torch.no_grad():
         for p in tr.net.parameters():
             p.fill_(c)
@@ -605,17 +612,9 @@ def test_advise_cli_writes_json_markdown_figure_and_an_mlflow_run(tmp_path):
 
 def _tiny_checkpoint(root, run_id: str = ""):
     """The real tiny UNet, untrained, saved as a checkpoint of params.yaml's configuration."""
-    from voxdiff.data.cache import open_cache
-    from voxdiff.params import load
     from voxdiff.training import checkpoint
-    from voxdiff.runtime.distributed import init_runtime
 
-    write_tiny_cache(root)
-    raw = raw_params(**{**TINY, **SMALL})
-    raw["mlflow"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
-    (root / "params.yaml").write_text(yaml.safe_dump(raw))
-    params = load(root / "params.yaml")
-    tr = trainer_mod.Trainer(params, root, init_runtime("cpu", "fp32"), open_cache(root / "data" / "processed"))
+    params, tr = tiny_trainer(root, SMALL)
     checkpoint.save(root / "models" / "checkpoint.pt", tr.state(False, run_id))
     return params
 

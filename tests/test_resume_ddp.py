@@ -27,8 +27,11 @@ def project(root: Path, overrides: dict) -> Path:
     return root
 
 
+NOT_INHERITED = ("DVC_", "WORLD_SIZE", "RANK", "LOCAL_RANK")  # set around pytest by `dvc exp run` or torchrun
+
+
 def env_for(root: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(NOT_INHERITED)}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return env
 
@@ -39,6 +42,25 @@ def train_cmd(root: Path) -> list[str]:
 
 def load_ckpt(root: Path) -> dict:
     return torch.load(root / "models" / "checkpoint.pt", weights_only=True)
+
+
+def trained_here(root: Path, overrides: dict, monkeypatch) -> dict:
+    """`project(root, overrides)` trained to its end in this test process, and its checkpoint: the code path of
+    `voxdiff train` from `run_training` on, without a second interpreter's start-up (~6 s of CPU importing
+    torch, MONAI and MLflow). The environment is env_for's, so the run logs to the project's own store."""
+    from voxdiff.pipeline.train import run_training
+
+    project(root, overrides)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env_for(root)["MLFLOW_TRACKING_URI"])
+    for name in [k for k in os.environ if k.startswith(NOT_INHERITED)]:
+        monkeypatch.delenv(name)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # env_for's OMP_NUM_THREADS=1: a bit-for-bit comparison needs the same kernels' threads
+    try:
+        run_training(make_params(overrides), root, progress=False)
+    finally:
+        torch.set_num_threads(threads)  # the worker's later tests run as they would have
+    return load_ckpt(root)
 
 
 def same_tensors(a, b) -> bool:
@@ -56,11 +78,11 @@ def without_timing(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in h.items() if k not in drop} for h in history]
 
 
-def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
+def test_resume_after_sigkill_is_bitwise_exact(tmp_path, monkeypatch):
     cfg = {"train.max_samples": 160, "train.batch_size": 1, "train.accumulate_every": 2,
            "train.checkpoint_every": 4, "train.val_every_samples": 8, "train.phema_snapshots": 10}
-    ref = project(tmp_path / "ref", cfg)
-    subprocess.run(train_cmd(ref), env=env_for(ref), check=True, capture_output=True)
+    ref = tmp_path / "ref"
+    a = trained_here(ref, cfg, monkeypatch)  # the killed and resumed run below is two `voxdiff train` processes
 
     run = project(tmp_path / "run", cfg)
     proc = subprocess.Popen(train_cmd(run), env=env_for(run), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -78,7 +100,7 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
     resumed = subprocess.run(train_cmd(run), env=env_for(run), capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {ckpt} at step {killed_at['step']}" in resumed.stderr
-    a, b = load_ckpt(ref), load_ckpt(run)
+    b = load_ckpt(run)
     for key in ("model", "ema", "optimizer", "gns"):
         assert same_tensors(a[key], b[key]), key
     # The snapshots are named after each run's fingerprint, which holds the training code: equal here
@@ -108,10 +130,9 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
     assert sorted(steps) == list(range(1, 81))
 
 
-def test_changed_params_start_fresh(tmp_path):
-    root = project(tmp_path / "p", {"train.max_samples": 8, "train.batch_size": 1})
-    first = subprocess.run(train_cmd(root), env=env_for(root), capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr
+def test_changed_params_start_fresh(tmp_path, monkeypatch):
+    root = tmp_path / "p"
+    trained_here(root, {"train.max_samples": 8, "train.batch_size": 1}, monkeypatch)  # finished, at lr 0.001
     (root / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**TINY, "train.max_samples": 8, "train.batch_size": 1, "train.lr": 5.0e-4})))
     second = subprocess.run(train_cmd(root), env=env_for(root), capture_output=True, text=True)
     assert second.returncode == 0
@@ -119,18 +140,6 @@ def test_changed_params_start_fresh(tmp_path):
     assert "finished run of other training settings (train.lr 0.001 -> 0.0005)" in second.stderr
     assert "starting fresh" in second.stderr
     assert load_ckpt(root)["step"] == 4
-
-
-def train_here(root: Path, overrides: dict, monkeypatch) -> None:
-    """The one-process reference of a DDP comparison, trained in this test process: the same code path as
-    `voxdiff train` from `run_training` on, without a second interpreter's start-up (~6 s of CPU importing
-    torch, MONAI and MLflow). The comparisons are to 1e-5, not bit for bit, so this process's state is no matter."""
-    from voxdiff.pipeline.train import run_training
-
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", env_for(root)["MLFLOW_TRACKING_URI"])
-    for name in [k for k in os.environ if k.startswith(("DVC_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))]:  # as env_for
-        monkeypatch.delenv(name)
-    run_training(make_params(overrides), root, progress=False)
 
 
 def run_ddp(root: Path, port: int) -> subprocess.CompletedProcess:
@@ -153,12 +162,11 @@ def test_ddp_two_gloo_processes_match_one_process(tmp_path, max_samples, monkeyp
     window leaves one rank without a sample (max_samples=3). With k=1 the noise scale is measured from
     each rank's local gradient (comm hook) and equals the single process's micro-batch estimate."""
     common = {"train.max_samples": max_samples, "train.batch_size": 1, "train.grad_clip": 0.0}
-    single = project(tmp_path / "single", {**common, "train.accumulate_every": 2})
-    train_here(single, {**common, "train.accumulate_every": 2}, monkeypatch)
-
+    single = tmp_path / "single"
+    a = trained_here(single, {**common, "train.accumulate_every": 2}, monkeypatch)
     ddp = project(tmp_path / "ddp", {**common, "train.accumulate_every": 1})
     out = run_ddp(ddp, free_port())
-    a, b = load_ckpt(single), load_ckpt(ddp)
+    b = load_ckpt(ddp)
     assert b["step"] == a["step"] == (max_samples + 1) // 2 and b["samples_seen"] == max_samples
     assert rel_diff(a["model"], b["model"]) <= 1e-5
     assert "world size 2" in out.stderr and "not measurable" not in out.stderr
@@ -182,11 +190,10 @@ def test_ddp_no_sync_accumulation_matches_one_process(tmp_path, monkeypatch):
     clipping on: weights, EMA weights and the logged pre-clip gradient norms. The tiny model's norms are
     0.6-0.8, so the limit is 0.5 (the default 1.0 would never clip here and test nothing)."""
     common = {"train.max_samples": 16, "train.batch_size": 1, "train.grad_clip": 0.5}
-    single = project(tmp_path / "single", {**common, "train.accumulate_every": 4})
-    train_here(single, {**common, "train.accumulate_every": 4}, monkeypatch)
+    a = trained_here(tmp_path / "single", {**common, "train.accumulate_every": 4}, monkeypatch)
     ddp = project(tmp_path / "ddp", {**common, "train.accumulate_every": 2})
     run_ddp(ddp, free_port())
-    a, b = load_ckpt(single), load_ckpt(ddp)
+    b = load_ckpt(ddp)
     assert a["step"] == b["step"] == 4
     assert rel_diff(a["model"], b["model"]) <= 1e-5
     assert rel_diff(a["ema"], b["ema"]) <= 1e-5
