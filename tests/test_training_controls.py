@@ -199,6 +199,56 @@ def test_ctrl_c_during_validation_resumes_exactly(tiny_root, tmp_path, monkeypat
     assert math.isfinite(done["history"][-1]["val_loss"])
 
 
+def test_kept_copies_are_whole_states_and_change_nothing(tiny_root, tmp_path):
+    """train.keep_checkpoints_at_samples: a copy where samples seen first reaches each point (at that step's end).
+    The run ends as one without them, bit for bit (the key is operational), and a run resumed from a copy ends as
+    the uninterrupted one: the copy is a whole training state, what `voxdiff advise --checkpoint` continues."""
+    # no post-hoc EMA profiles: a run resumed from a copy elsewhere would need their snapshots up to it as well
+    cfg = {"train.max_samples": 12, "train.batch_size": 1, "train.accumulate_every": 2, "train.checkpoint_every": 100,
+           "train.phema_sigma_rels": []}
+    ref = uninterrupted_run(tiny_root, tmp_path / "ref", make_params(cfg))
+    run_training(make_params({**cfg, "train.keep_checkpoints_at_samples": [3, 8]}), tiny_root, progress=False)
+    folder = tiny_root / "models" / "kept"
+    assert sorted(p.name for p in folder.glob("*.pt")) == ["samples-00000004.pt", "samples-00000008.pt"]  # 2 a step
+    done = torch.load(tiny_root / "models" / "checkpoint.pt", weights_only=True)
+    assert done["fingerprint"] == ref["fingerprint"]
+    for key in ("model", "ema"):
+        assert all(torch.equal(ref[key][k], done[key][k]) for k in ref[key]), key
+
+    copy = torch.load(folder / "samples-00000004.pt", weights_only=True)
+    assert (copy["step"], copy["samples_seen"], copy["finished"]) == (2, 4, False)
+    copy["mlflow_run_id"] = ""  # it names the run it was copied from, which must not be logged into a second time
+    other = tmp_path / "from-copy"
+    (other / "models").mkdir(parents=True)
+    (other / "data").symlink_to(tiny_root / "data")
+    torch.save(copy, other / "models" / "checkpoint.pt")
+    run_training(make_params(cfg), other, progress=False)
+    resumed = torch.load(other / "models" / "checkpoint.pt", weights_only=True)
+    for key in ("model", "ema"):
+        assert all(torch.equal(ref[key][k], resumed[key][k]) for k in ref[key]), key
+    drop = ("wall_time", "samples_per_s", "peak_memory_mb", "timestamp")
+    strip = lambda h: [{k: v for k, v in r.items() if k not in drop} for r in h]  # noqa: E731
+    assert strip(resumed["history"]) == strip(ref["history"])
+
+    # A fresh start (another lr) replaces the run, and its copies go with it
+    run_training(make_params({**cfg, "train.lr": 5.0e-4}), tiny_root, progress=False)
+    assert not list(folder.glob("*.pt"))
+
+
+def test_kept_copy_points_are_validated_and_planned():
+    from voxdiff.params import ParamsError
+    from voxdiff.pipeline.plan import count_events
+
+    cfg = {"train.max_samples": 12, "train.batch_size": 1, "train.accumulate_every": 2}
+    assert count_events(make_params({**cfg, "train.keep_checkpoints_at_samples": [1, 3, 8]}).train).kept == 3
+    assert count_events(make_params(cfg).train).kept == 0
+    with pytest.raises(ParamsError, match=r"train.keep_checkpoints_at_samples holds 13, past the run's end"):
+        make_params({**cfg, "train.keep_checkpoints_at_samples": [4, 13]})
+    for bad in ([4, 4], [0], "4", [2.5]):
+        with pytest.raises(ParamsError, match="train.keep_checkpoints_at_samples"):
+            make_params({**cfg, "train.keep_checkpoints_at_samples": bad})
+
+
 def test_second_ctrl_c_mid_step_keeps_the_last_good_checkpoint(tiny_root, tmp_path, monkeypatch, request):
     """Two SIGINTs land right after optimizer step 3 moved the weights, before its counters advance (issue
     36 item 6): the first is deferred, the second acts at once. The checkpoint on disk must stay the step-2

@@ -70,10 +70,10 @@ def boolean(key, v):
     return v
 
 
-def int_list(length: int | None = None, lo: int = 0, unique_sorted: bool = False) -> Check:
+def int_list(length: int | None = None, lo: int = 0, unique_sorted: bool = False, allow_empty: bool = False) -> Check:
     def check(key, v):
-        want = f"a list of {length or ''} integers >= {lo}".replace("  ", " ")
-        if not isinstance(v, list) or not v or (length and len(v) != length):
+        want = ("[] or " if allow_empty else "") + f"a list of {length or ''} integers >= {lo}".replace("  ", " ")
+        if not isinstance(v, list) or (not v and not allow_empty) or (length and len(v) != length):
             raise _fail(key, want, v)
         for x in v:
             if isinstance(x, bool) or not isinstance(x, int) or x < lo:
@@ -189,6 +189,7 @@ SCHEMA: dict[str, dict[str, Check] | Check] = {
         "phema_snapshots": integer(1),
         "phema_eval_sigma_rels": sigma_rels(1),
         "early_stop_patience_samples": integer(0),
+        "keep_checkpoints_at_samples": int_list(lo=1, unique_sorted=True, allow_empty=True),
     },
     "evaluate": {
         "subjects": integer(0),
@@ -299,6 +300,7 @@ class Train:
     phema_snapshots: int
     phema_eval_sigma_rels: tuple[float, ...]
     early_stop_patience_samples: int
+    keep_checkpoints_at_samples: tuple[int, ...]
 
 
 # What a change to each train.* key invalidates (docs/exactness.md, "What a change invalidates"). One list, read
@@ -310,7 +312,8 @@ class Train:
 MEASUREMENT_KEYS = ("val_every_samples", "val_draws", "val_seed", "gns_smoothing", "gns_buckets",
                     "gns_bucket_samples", "gns_buckets_every_samples", "gns_probe_samples", "gns_ci_level",
                     "phema_sigma_rels", "phema_snapshots", "phema_eval_sigma_rels")
-# Where and how often the run is written and run: no effect on the trajectory. precision is not here
+# Where and how often the run is written and run (keep_checkpoints_at_samples: extra copies of the checkpoint): no
+# effect on the trajectory. precision is not here
 # because its *resolved* value is part of the fingerprint (auto resolves per machine). compile is: it runs
 # the same maths through other kernels (rounding differs at the last bits, as between two GPUs, and the
 # device is operational too), so a run may be resumed with or without it. tf32 and deterministic are NOT
@@ -319,7 +322,8 @@ MEASUREMENT_KEYS = ("val_every_samples", "val_draws", "val_seed", "gns_smoothing
 # which a run made with it on must not stand for; deterministic is what a run-to-run equality claim rests
 # on, which a run resumed without it would break. On the CPU both are no-ops, so toggling them there
 # retrains for nothing; DVC reruns the stage for any train.* change anyway.
-OPERATIONAL_KEYS = ("checkpoint_every", "device", "precision", "fp16_max_skipped_steps", "compile")
+OPERATIONAL_KEYS = ("checkpoint_every", "device", "precision", "fp16_max_skipped_steps", "compile",
+                    "keep_checkpoints_at_samples")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,6 +441,10 @@ def _cross_checks(p: Params) -> None:
     if t.lr_schedule != "constant" and t.lr_min > t.lr:
         raise ParamsError(f"params.yaml: train.lr_min ({t.lr_min:g}) must not exceed train.lr ({t.lr:g}) "
                           f"for lr_schedule {t.lr_schedule}")
+    past = [n for n in t.keep_checkpoints_at_samples if t.max_samples and n > t.max_samples]
+    if past:
+        raise ParamsError(f"params.yaml: train.keep_checkpoints_at_samples holds {past[0]}, past the run's end "
+                          f"(train.max_samples {t.max_samples}): no copy would be kept there")
     if any(not 0 <= b < 1 for b in t.adam_betas):
         raise _fail("train.adam_betas", "two numbers in [0, 1)", list(t.adam_betas))
     down = 2 ** (len(m.channels) - 1)

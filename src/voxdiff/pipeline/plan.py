@@ -69,6 +69,7 @@ class Events:
     probes: int        # train.gns_buckets_every_samples crossings, and the end (0 when off)
     snapshots: int     # post-hoc EMA snapshots per profile (train.phema_snapshots points crossed)
     checkpoints: int   # writes of models/checkpoint.pt: every train.checkpoint_every steps, and the end
+    kept: int = 0      # copies in models/kept (train.keep_checkpoints_at_samples points crossed)
 
     @property
     def steps(self) -> int:
@@ -80,7 +81,7 @@ def count_events(train: Train, world_size: int = 1, start_step: int = 0) -> Even
     from voxdiff.training.trainer import due  # the checkpoint cadence's own test
 
     b = plan_budget(train, world_size)
-    val = probe = snap = ckpt = 0
+    val = probe = snap = ckpt = kept = 0
     profiles = bool(train.phema_sigma_rels)
     for step in range(start_step, b.total_steps):
         window = b.window(step)
@@ -89,10 +90,11 @@ def count_events(train: Train, world_size: int = 1, start_step: int = 0) -> Even
         probe += due_in_samples(before, now, train.gns_buckets_every_samples, last)
         snap += profiles and posthoc_ema.snapshot_due(before, now, b.total_samples, train.phema_snapshots)
         ckpt += due(step + 1, train.checkpoint_every, b.total_steps) and not last
+        kept += any(before < n <= now for n in train.keep_checkpoints_at_samples)
     if b.total_steps > start_step:
         ckpt += 1  # the finished checkpoint
     return Events(b.effective_batch, b.micro_batch, b.accumulate_every, world_size, b.total_steps, b.total_samples,
-                  start_step, val, probe, snap, ckpt)
+                  start_step, val, probe, snap, ckpt, kept)
 
 
 # --- sizes -----------------------------------------------------------------------------------------
@@ -366,6 +368,8 @@ def disk_needs(params: Params, root: Path, sizes: Sizes, events: Events, fresh_s
         old = sum(f.stat().st_size for f in phema_dir.glob("*.pt")) if fresh_start and phema_dir.is_dir() else 0
         add(phema_dir, f"post-hoc EMA snapshots {fmt_bytes(events.snapshots * snapshot_set_bytes(sizes, params.train))}",
             events.snapshots * snapshot_set_bytes(sizes, params.train), old)
+    if events.kept:
+        add(models / "kept", f"{events.kept} kept checkpoint copies {fmt_bytes(events.kept * ckpt)}", events.kept * ckpt)
     cache = dvc_cache_dir(root)
     if cache is not None:
         add(cache, f"DVC cache copy {fmt_bytes(ckpt)}", ckpt)

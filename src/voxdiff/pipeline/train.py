@@ -35,6 +35,7 @@ VAL_COLUMNS = ("step", "samples_seen", "wall_time", "val_loss")
 def paths(root: Path) -> dict[str, Path]:
     return {
         "checkpoint": root / "models" / "checkpoint.pt",
+        "kept": root / "models" / "kept",  # train.keep_checkpoints_at_samples's copies (not a DVC output)
         "metrics": root / "metrics" / "train.json",  # the DVC metrics: a few figures (tracking/dvc_metrics.py)
         "detail": root / "metrics" / "train_detail.json",  # every field of the summary
         "checkpoint_id": root / "metrics" / "checkpoint.json",  # evaluate's DVC link to the model
@@ -91,9 +92,15 @@ def _run(params: Params, root: Path, rt: Runtime, progress: bool | None, restart
     announce(trainer)
     tracker = start_tracker(trainer, cache, state, root) if rt.is_main else None
 
-    def save(finished: bool) -> None:
+    def save(finished: bool, keep: bool = False) -> None:
         if rt.is_main:
-            checkpoint.save(out["checkpoint"], trainer.state(finished, tracker.run_id if tracker else None))
+            state = trainer.state(finished, tracker.run_id if tracker else None)
+            if keep:  # the copy first: a kill between the two leaves the older checkpoint, whose resume writes it again
+                kept = out["kept"] / f"samples-{trainer.counters.samples_seen:08d}.pt"
+                checkpoint.save(kept, state)
+                say(rt, f"kept a copy of the checkpoint at {trainer.counters.samples_seen} samples: "
+                        f"{kept.relative_to(root)}")
+            checkpoint.save(out["checkpoint"], state)
             if tracker:
                 tracker.log_history(trainer.counters.history)
 
@@ -135,6 +142,11 @@ def resume(trainer: Trainer, out: dict[str, Path], rt: Runtime, restart: bool) -
             say(rt, "train.phema_sigma_rels: the run keeps the post-hoc EMA profiles it started with "
                     f"({', '.join(f'{s:g}' for s in kept) or 'none'}): each must span the run from its first step; "
                     "the new list applies to a run from scratch")
+    stale = sorted(out["kept"].glob("samples-*.pt")) if state is None and rt.is_main else []
+    for copy in stale:  # another run's (the checkpoint they were copied from is being replaced too)
+        copy.unlink()
+    if stale:
+        say(rt, f"removed {len(stale)} kept copies of the previous run's checkpoint from {out['kept'].name}/")
     if trainer.phema is not None and rt.is_main:
         # Only this run's snapshots: others removed, a missing one refused (a finished run only warns).
         lost = trainer.phema.claim(out["checkpoint"], finished=bool(state and state.get("finished")))
@@ -228,12 +240,15 @@ def train_to_budget(trainer: Trainer, cache, tracker: RunTracker | None, save, r
                     run_sample_counted_events(trainer, record, before, last, stop_requested=interrupt.flag)
                 c.history.append(record)
                 report_progress(rt, bar, record, budget)
+                kept_now = any(before < n <= c.samples_seen for n in params.train.keep_checkpoints_at_samples)
+                if kept_now:  # as plan.count_events counts them
+                    save(finished=False, keep=True)
                 if stops_early(trainer, rt, before, last):
                     say(rt, f"early stop at step {c.step} ({c.samples_seen} samples): "
                             f"{params.train.early_stop_patience_samples} samples past the best point "
                             f"(step {trainer.best.mark.step if trainer.best.mark else '?'})")
                     break
-                if due(c.step, params.train.checkpoint_every, budget.total_steps) and not last:
+                if due(c.step, params.train.checkpoint_every, budget.total_steps) and not last and not kept_now:
                     save(finished=False)
                 if interrupt.requested(rt):
                     interrupt.at_boundary = True
