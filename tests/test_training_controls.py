@@ -235,13 +235,20 @@ def test_kept_copies_are_whole_states_and_change_nothing(tiny_root, tmp_path):
     assert not list(folder.glob("*.pt"))
 
 
-def test_kept_copy_points_are_validated_and_planned():
+def test_kept_copy_points_are_validated_and_planned(tmp_path):
+    import dataclasses
+
     from voxdiff.params import ParamsError
-    from voxdiff.pipeline.plan import count_events
+    from voxdiff.pipeline.plan import checkpoint_bytes, count_events, disk_needs, sizes_for
 
     cfg = {"train.max_samples": 12, "train.batch_size": 1, "train.accumulate_every": 2}
-    assert count_events(make_params({**cfg, "train.keep_checkpoints_at_samples": [1, 3, 8]}).train).kept == 3
-    assert count_events(make_params(cfg).train).kept == 0
+    p = make_params({**cfg, "train.keep_checkpoints_at_samples": [1, 3, 8]})
+    events = count_events(p.train)
+    assert events.kept == 3 and count_events(make_params(cfg).train).kept == 0
+    assert count_events(p.train, start_step=2).kept == 1  # resumed at 4 samples: only 8 is still to come
+    sizes = sizes_for(p, 3)
+    need = lambda ev: sum(n for d in disk_needs(p, tmp_path, sizes, ev) for _, n in d.items)  # noqa: E731
+    assert need(events) - need(dataclasses.replace(events, kept=0)) == 3 * checkpoint_bytes(sizes, p.train, events)
     with pytest.raises(ParamsError, match=r"train.keep_checkpoints_at_samples holds 13, past the run's end"):
         make_params({**cfg, "train.keep_checkpoints_at_samples": [4, 13]})
     for bad in ([4, 4], [0], "4", [2.5]):

@@ -571,7 +571,9 @@ def render(plan: dict, params: Params) -> list[str]:
         f"steps); twice that while one is written",
         f"  snapshots         {fmt_bytes(plan['snapshot_bytes'])} in models/phema ({n / 1e6:.2f} M x 2 B x "
         f"{len(t.phema_sigma_rels)} profiles x {e['snapshots']})",
-        f"  DVC cache copy    " + (f"{fmt_bytes(plan['checkpoint_bytes'])} in {plan['dvc_cache_dir']} (dvc repro stores "
+        *([f"  kept copies       {e['kept']} x the checkpoint in models/kept (train.keep_checkpoints_at_samples)"]
+          if e["kept"] else []),
+        "  DVC cache copy    " + (f"{fmt_bytes(plan['checkpoint_bytes'])} in {plan['dvc_cache_dir']} (dvc repro stores "
                                    "models/checkpoint.pt there; `dvc gc -w` removes other runs')"
                                    if plan["dvc_cache_dir"] else "none (not a DVC project, or cache.type links)"),
     ]
