@@ -18,7 +18,7 @@ MLFLOW_UI := $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 # DVC outputs, ignored by git). tests/test_e2e_dvc.py runs it and checks that nothing is left untracked.
 BASELINE := git add dvc.lock metrics plots && git commit -m "demo baseline"
 
-.PHONY: demo test bench sweep study study-report ui-shot doctor docs lock clean-outputs help
+.PHONY: demo test bench sweep study study-report study-advise ui-shot doctor docs lock clean-outputs help
 
 help:
 	@echo "make demo   - set up .venv, run the pipeline (dvc repro) on the built-in data, show metrics"
@@ -27,6 +27,7 @@ help:
 	@echo "make sweep  - queue accumulate_every x seed experiments, run them, compare"
 	@echo "make study  - run (or continue) the study's grid, archive runs in docs/study/runs, rebuild reports"
 	@echo "make study-report - rebuild docs/study/*.md from the archive alone (no MLflow needed)"
+	@echo "make study-advise - an N 160 k 1 study run with voxdiff advise at three phases beside it (~2.7 h, 2 cores)"
 	@echo "make ui-shot - screenshot of the MLflow UI's run comparison (headless Chromium) -> docs/mlflow-compare.png"
 	@echo "make doctor - device, precision, versions, tracking store (for bug reports)"
 	@echo "make docs   - regenerate docs/params.md from params.py's schema and params.yaml's comments"
@@ -67,6 +68,9 @@ study: $(STAMP)
 
 study-report: $(STAMP)
 	bash docs/study/report.sh
+
+study-advise: $(STAMP)
+	bash docs/study/advise_phases.sh
 
 ui-shot: $(STAMP)
 	bash docs/ui-shot.sh

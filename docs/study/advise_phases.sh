@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# voxdiff advise against the study, where B_crit is measurable (issue 34, section 6; what is compared and how is
+# registered in data-size-protocol.md, "voxdiff advise against the study"). Trains the data-size arm's first
+# missing N 160 k 1 run (docs/study/grid.py) in a scratch clone, pinned to core 0 with one thread and logged to
+# the study's store (mlflow.db, experiment voxdiff-study), so it is archived like a queued run at the end; with
+# train.keep_checkpoints_at_samples at the registered phases (ADVISE_PHASES overrides them). On core 1, as each
+# copy appears, `voxdiff advise` on it: docs/study/advise/n160-seed<seed>-at-<phase>.{md,json,png}.
+#
+# Cost: the run itself (~2.5-2.7 h at its cap, plus ~10 min of evaluation) and, beside it on the other core,
+# one advice per phase. Needs both cores and nothing else heavy. Start it first thing in a session:
+#   nohup bash docs/study/advise_phases.sh > advise_phases.log 2>&1 &
+# A stop (Ctrl-C, SIGTERM) stops the training at a window boundary and keeps the clone; its path is printed.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+export PATH="$REPO/.venv/bin:$PATH"
+PHASES=${ADVISE_PHASES:-2048 8192 16384}
+OUT=docs/study/advise
+
+git diff --quiet HEAD -- src stages dvc.yaml params.yaml || { echo "commit your changes first: the run uses committed files" >&2; exit 1; }
+run=$(python docs/study/grid.py missing data-size-160 | grep -m1 -e '-S train.accumulate_every=1 ') || {
+  echo "every data-size-160 k 1 run is archived: nothing to train here" >&2; exit 1; }
+seed=$(sed -nE 's/.*-S seed=([0-9]+)( |$).*/\1/p' <<<"$run")
+keep="[$(tr -s ' ' ',' <<<"$PHASES")]"
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/voxdiff-advise.XXXXXX")
+git clone -q --shared . "$work/repo"
+echo "N 160, k 1, seed $seed in $work/repo (log: $work/train.log); advice at ${PHASES// /, } samples -> $OUT/"
+# The study's store: the run is archived from it like a queued one (a queued run's temp copy logs there too).
+export MLFLOW_TRACKING_URI="sqlite:///$REPO/mlflow.db"
+# shellcheck disable=SC2086  # $run holds several -S key=value words
+(cd "$work/repo" && OMP_NUM_THREADS=1 exec taskset -c 0 dvc exp run $run -S "train.keep_checkpoints_at_samples=$keep") \
+  > "$work/train.log" 2>&1 &
+train=$!
+trap 'kill -TERM $train 2>/dev/null; wait $train 2>/dev/null; echo "stopped: the run is kept in $work/repo" >&2; exit 130' INT TERM
+
+mkdir -p "$OUT"
+for phase in $PHASES; do
+  copy=""
+  while [ -z "$copy" ]; do  # the first copy at or past the phase (a copy is named after the samples seen at its step)
+    copy=$(find "$work/repo/models/kept" -name 'samples-*.pt' 2>/dev/null | sort |
+           awk -v n="$phase" '{s = $0; sub(/.*samples-/, "", s); sub(/\.pt$/, "", s)} s + 0 >= n + 0 {print; exit}') || true
+    if [ -z "$copy" ]; then
+      kill -0 "$train" 2>/dev/null || { echo "the run ended before $phase samples (early stop?): no advice there" >&2; break 2; }
+      sleep 30
+    fi
+  done
+  echo "advising on $(basename "$copy") ($(date -u +%H:%M) UTC)"
+  OMP_NUM_THREADS=1 taskset -c 1 voxdiff advise --root "$work/repo" --checkpoint "$copy" --val-draws 1 --no-log \
+    --no-progress --out "$OUT/n160-seed$seed-at-$phase.md" > "$work/advise-$phase.log" 2>&1 ||
+    echo "advice at $phase failed: $work/advise-$phase.log" >&2
+done
+wait "$train" || { echo "the training failed: $work/train.log" >&2; exit 1; }
+trap - INT TERM
+voxdiff export --experiment voxdiff-study --out docs/study/runs > /dev/null
+python docs/study/grid.py status
+bash docs/study/report.sh
+rm -rf "$work"
+echo "done: commit docs/study/runs, $OUT and the reports"
