@@ -610,6 +610,24 @@ def test_advise_cli_writes_json_markdown_figure_and_an_mlflow_run(tmp_path):
     assert "a warm-up of 2 samples" in (tmp_path / "reports" / "advise.md").read_text()
 
 
+def test_advise_on_a_kept_copy_with_the_keep_points_still_in_params(tmp_path, monkeypatch):
+    """docs/advise.md's recipe: a run with train.keep_checkpoints_at_samples, then advise on one of its copies, with
+    params.yaml still listing the points past advise's own short budgets (its trainings and warm-up drop them)."""
+    from voxdiff.pipeline.train import run_training
+
+    params, _ = tiny_trainer(tmp_path, {**SMALL, "train.max_samples": 8, "train.keep_checkpoints_at_samples": [4]})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_training(params, tmp_path, progress=False)
+    copy = tmp_path / "models" / "kept" / "samples-00000004.pt"
+    res = run_cli("advise", "--root", tmp_path, *FAST, "--no-log", "--no-progress", "--checkpoint", copy,
+                  "--out", "reports/at-4.md")
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "reports" / "at-4.json").read_text())["checkpoint"]["samples_seen"] == 4
+    res = run_cli("advise", "--root", tmp_path, *FAST, "--no-log", "--no-progress", "--from-scratch",
+                  "--warmup-samples", "2", "--max-micro-batch", "1")
+    assert res.exit_code == 0, res.output
+
+
 def _tiny_checkpoint(root, run_id: str = ""):
     """The real tiny UNet, untrained, saved as a checkpoint of params.yaml's configuration."""
     from voxdiff.training import checkpoint

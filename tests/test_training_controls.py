@@ -235,6 +235,37 @@ def test_kept_copies_are_whole_states_and_change_nothing(tiny_root, tmp_path):
     assert not list(folder.glob("*.pt"))
 
 
+def test_a_kill_between_the_copy_and_the_checkpoint_writes_the_copy_again(tiny_root, tmp_path, monkeypatch):
+    """The copy is written before models/checkpoint.pt: a process killed between the two resumes from the step
+    before and writes the same copy again. (Written the other way round, the resumed run would start past the
+    point and never write it: the negative control is the first assertion after the kill.)"""
+    from voxdiff.training import checkpoint
+
+    cfg = {"train.max_samples": 12, "train.batch_size": 1, "train.accumulate_every": 2, "train.checkpoint_every": 1,
+           "train.phema_sigma_rels": [], "train.keep_checkpoints_at_samples": [4]}
+    real_save = checkpoint.save
+    copies = []
+
+    def killed_after_the_copy(path, state):
+        if Path(path).name == "checkpoint.pt" and copies:
+            raise SystemExit("killed")  # between the copy and the checkpoint of the step that crossed 4 samples
+        real_save(path, state)
+        copies.extend([path] if Path(path).parent.name == "kept" else [])
+
+    monkeypatch.setattr(checkpoint, "save", killed_after_the_copy)
+    with pytest.raises(SystemExit):
+        run_training(make_params(cfg), tiny_root, progress=False)
+    monkeypatch.setattr(checkpoint, "save", real_save)
+    folder = tiny_root / "models" / "kept"
+    first = torch.load(folder / "samples-00000004.pt", weights_only=True)
+    assert torch.load(tiny_root / "models" / "checkpoint.pt", weights_only=True)["samples_seen"] == 2
+    (folder / "samples-00000004.pt").unlink()
+    run_training(make_params(cfg), tiny_root, progress=False)  # resumes at 2 samples and crosses 4 again
+    again = torch.load(folder / "samples-00000004.pt", weights_only=True)
+    assert all(torch.equal(first["model"][k], again["model"][k]) for k in first["model"])
+    assert first["samples_seen"] == again["samples_seen"] == 4
+
+
 def test_kept_copy_points_are_validated_and_planned(tmp_path):
     import dataclasses
 
@@ -246,6 +277,9 @@ def test_kept_copy_points_are_validated_and_planned(tmp_path):
     events = count_events(p.train)
     assert events.kept == 3 and count_events(make_params(cfg).train).kept == 0
     assert count_events(p.train, start_step=2).kept == 1  # resumed at 4 samples: only 8 is still to come
+    from voxdiff.pipeline.plan import measuring_params
+
+    assert measuring_params(p, 2).train.keep_checkpoints_at_samples == ()  # --plan's measured steps keep no copies
     sizes = sizes_for(p, 3)
     need = lambda ev: sum(n for d in disk_needs(p, tmp_path, sizes, ev) for _, n in d.items)  # noqa: E731
     assert need(events) - need(dataclasses.replace(events, kept=0)) == 3 * checkpoint_bytes(sizes, p.train, events)

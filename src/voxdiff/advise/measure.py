@@ -81,10 +81,12 @@ class Session:
     def params_for(self, micro: int, accumulate: int, total_samples: int, seed: int | None = None,
                    **train) -> Params:
         """params.yaml with this micro-batch, accumulation and sample budget (and any other train keys);
-        post-hoc EMA off so that no trainer made here writes snapshots."""
+        post-hoc EMA off and no kept copies (train.keep_checkpoints_at_samples: points of the advised run, past
+        these budgets), so that no trainer made here writes snapshots or refuses its budget."""
         raw = copy.deepcopy(self.params.raw)
         raw["train"].update(batch_size=micro, accumulate_every=accumulate, max_steps=0,
-                            max_samples=max(1, int(total_samples)), phema_sigma_rels=[], **train)
+                            max_samples=max(1, int(total_samples)), phema_sigma_rels=[],
+                            keep_checkpoints_at_samples=[], **train)
         if seed is not None:
             raw["seed"] = seed
         return validate(raw)
@@ -114,7 +116,7 @@ def warm_up_state(params: Params, root: Path, rt: Runtime, cache: ProcessedCache
                   progress: Progress) -> dict:
     """No checkpoint: train `samples` from scratch at params.yaml's setting, in memory only."""
     raw = copy.deepcopy(params.raw)
-    raw["train"].update(max_steps=0, max_samples=samples, phema_sigma_rels=[])
+    raw["train"].update(max_steps=0, max_samples=samples, phema_sigma_rels=[], keep_checkpoints_at_samples=[])
     tr = Trainer(validate(raw), root, rt, cache)
     while tr.counters.samples_seen < samples:
         before = tr.counters.samples_seen

@@ -411,9 +411,9 @@ def fmt_seconds(s: float) -> str:
 
 # --- measurements ----------------------------------------------------------------------------------
 def measuring_params(params: Params, steps: int) -> Params:
-    """params.yaml with a budget of exactly the measured steps, every window full."""
+    """params.yaml with a budget of exactly the measured steps, every window full (no kept copies)."""
     raw = copy.deepcopy(params.raw)
-    raw["train"].update(max_steps=steps, max_samples=0)
+    raw["train"].update(max_steps=steps, max_samples=0, keep_checkpoints_at_samples=[])
     return validate(raw)
 
 

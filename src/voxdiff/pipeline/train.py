@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -142,11 +143,8 @@ def resume(trainer: Trainer, out: dict[str, Path], rt: Runtime, restart: bool) -
             say(rt, "train.phema_sigma_rels: the run keeps the post-hoc EMA profiles it started with "
                     f"({', '.join(f'{s:g}' for s in kept) or 'none'}): each must span the run from its first step; "
                     "the new list applies to a run from scratch")
-    stale = sorted(out["kept"].glob("samples-*.pt")) if state is None and rt.is_main else []
-    for copy in stale:  # another run's (the checkpoint they were copied from is being replaced too)
-        copy.unlink()
-    if stale:
-        say(rt, f"removed {len(stale)} kept copies of the previous run's checkpoint from {out['kept'].name}/")
+    if rt.is_main:
+        check_kept_copies(trainer, out["kept"], fresh_start=state is None)
     if trainer.phema is not None and rt.is_main:
         # Only this run's snapshots: others removed, a missing one refused (a finished run only warns).
         lost = trainer.phema.claim(out["checkpoint"], finished=bool(state and state.get("finished")))
@@ -156,6 +154,30 @@ def resume(trainer: Trainer, out: dict[str, Path], rt: Runtime, restart: bool) -
             # pulled or applied elsewhere): an empty folder lets the stage finish as "nothing to train".
             trainer.phema.folder.mkdir(parents=True, exist_ok=True)
     return state, changed
+
+
+def check_kept_copies(trainer: Trainer, folder: Path, fresh_start: bool) -> None:
+    """train.keep_checkpoints_at_samples before the run goes on: a fresh start removes the previous run's copies
+    (the checkpoint they were copied from is being replaced too), any start removes a copy's write cut short by a
+    kill, and a point this run will never cross (past its budget, or behind a resumed run without its copy) is said."""
+    stale = sorted(folder.glob("samples-*.pt")) if fresh_start else []
+    for copy in stale:
+        copy.unlink()
+    if stale:
+        say(trainer.rt, f"removed {len(stale)} kept copies of the previous run's checkpoint from {folder.name}/")
+    for tmp in folder.glob(".samples-*.tmp") if folder.is_dir() else ():
+        shutil.rmtree(tmp, ignore_errors=True)
+    points, seen, budget = trainer.p.train.keep_checkpoints_at_samples, trainer.counters.samples_seen, trainer.budget
+    have = [int(n) for n in (p.stem.removeprefix("samples-") for p in folder.glob("samples-*.pt")) if n.isdigit()]
+    # a copy is named after the samples seen at the end of the step that crossed its point
+    behind = [n for n in points if n <= seen and not any(n <= x < n + budget.effective_batch for x in have)]
+    past = [n for n in points if n > budget.total_samples]
+    if behind:
+        say(trainer.rt, f"train.keep_checkpoints_at_samples: {', '.join(map(str, behind))} already behind this run "
+                        f"({seen} samples seen): no copy is kept there now")
+    if past:
+        say(trainer.rt, f"train.keep_checkpoints_at_samples: {', '.join(map(str, past))} past this run's budget "
+                        f"({budget.total_samples} samples): no copy is kept there")
 
 
 def rewrite_finished(trainer: Trainer, state: dict, changed: list[str], out: dict[str, Path], root: Path) -> dict:
