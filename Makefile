@@ -27,7 +27,7 @@ help:
 	@echo "make sweep  - queue accumulate_every x seed experiments, run them, compare"
 	@echo "make study  - run (or continue) the study's grid, archive runs in docs/study/runs, rebuild reports"
 	@echo "make study-report - rebuild docs/study/*.md from the archive alone (no MLflow needed)"
-	@echo "make study-advise - an N 160 k 1 study run with voxdiff advise at three phases beside it (~2.7 h, 2 cores)"
+	@echo "make study-advise - an N 160 k 1 study run with voxdiff advise at three phases beside it (2 cores; the advice in ~75 min)"
 	@echo "make ui-shot - screenshot of the MLflow UI's run comparison (headless Chromium) -> docs/mlflow-compare.png"
 	@echo "make doctor - device, precision, versions, tracking store (for bug reports)"
 	@echo "make docs   - regenerate docs/params.md from params.py's schema and params.yaml's comments"

@@ -2,12 +2,13 @@
 # voxdiff advise against the study, where B_crit is measurable (issue 34, section 6; what is compared and how is
 # registered in data-size-protocol.md, "voxdiff advise against the study"). Trains the data-size arm's first
 # missing N 160 k 1 run (docs/study/grid.py) in a scratch clone, pinned to core 0 with one thread and logged to
-# the study's store (mlflow.db, experiment voxdiff-study), so it is archived like a queued run at the end; with
+# the study's store (mlflow.db, experiment voxdiff-study), so it is archived like a queued run if it ends; with
 # train.keep_checkpoints_at_samples at the registered phases (ADVISE_PHASES overrides them). On core 1, as each
 # copy appears, `voxdiff advise` on it: docs/study/advise/n160-seed<seed>-at-<phase>.{md,json,png}.
 #
-# Cost: the run itself (~2.5-2.7 h at its cap, plus ~10 min of evaluation) and, beside it on the other core,
-# one advice per phase. Needs both cores and nothing else heavy. Start it first thing in a session:
+# Cost: ~5 min of data preparation, then the advice at the last phase lands ~65 min into the training (3.4
+# samples/s on one pinned core). The run itself takes ~2.6 h to its cap plus ~10 min of evaluation: in a 3-hour
+# session it lands only if it stops early; stopped, the advice stays. Needs both cores and nothing else heavy:
 #   nohup bash docs/study/advise_phases.sh > advise_phases.log 2>&1 &
 # A stop (Ctrl-C, SIGTERM) asks the training to stop at its next window boundary (it saves its checkpoint and
 # ends its MLflow run KILLED) and keeps the clone, whose path it prints.
@@ -15,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export PATH="$REPO/.venv/bin:$PATH"
-read -r -a PHASES <<<"${ADVISE_PHASES:-2048 8192 16384}"
+read -r -a PHASES <<<"${ADVISE_PHASES:-2048 6144 12288}"
 OUT=$REPO/docs/study/advise
 
 git diff --quiet HEAD -- src stages dvc.yaml params.yaml || { echo "commit your changes first: the run uses committed files" >&2; exit 1; }
