@@ -623,9 +623,14 @@ def test_advise_on_a_kept_copy_with_the_keep_points_still_in_params(tmp_path, mo
                   "--out", "reports/at-4.md")
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "reports" / "at-4.json").read_text())["checkpoint"]["samples_seen"] == 4
-    res = run_cli("advise", "--root", tmp_path, *FAST, "--no-log", "--no-progress", "--from-scratch",
-                  "--warmup-samples", "2", "--max-micro-batch", "1")
-    assert res.exit_code == 0, res.output
+    # the warm-up of --from-scratch, 2 samples: no refusal of the points past its budget
+    from voxdiff.advise.measure import Progress, warm_up_state
+    from voxdiff.data.cache import open_cache
+    from voxdiff.runtime.distributed import init_runtime
+
+    state = warm_up_state(params, tmp_path, init_runtime("cpu", "fp32"), open_cache(tmp_path / "data" / "processed"),
+                          2, Progress(2, False, lambda _: None))
+    assert state["samples_seen"] == 2
 
 
 def _tiny_checkpoint(root, run_id: str = ""):
