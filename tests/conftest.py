@@ -102,6 +102,12 @@ def write_tiny_cache(root: Path, n_train: int = 4, n_val: int = 2, shape=(16, 16
     return out
 
 
+def without_timing(history: list[dict]) -> list[dict]:
+    """A run's step records without what the clock sets: what an interrupted and resumed run must equal."""
+    drop = ("wall_time", "samples_per_s", "peak_memory_mb", "timestamp")
+    return [{k: v for k, v in h.items() if k not in drop} for h in history]
+
+
 def uninterrupted_run(tiny_root: Path, folder: Path, params) -> dict:
     """The checkpoint of a run trained to its end without a stop, in `folder` (sharing tiny_root's data): what a
     stopped and resumed run must equal."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import TINY, make_params, raw_params, write_tiny_cache
+from conftest import TINY, make_params, raw_params, without_timing, write_tiny_cache
 from mlflow_server import free_port  # torchrun's port: a free one, so that runs side by side never share it
 
 pytestmark = pytest.mark.slow
@@ -71,11 +71,6 @@ def same_tensors(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
     return a == b
-
-
-def without_timing(history: list[dict]) -> list[dict]:
-    drop = ("wall_time", "samples_per_s", "peak_memory_mb", "timestamp")
-    return [{k: v for k, v in h.items() if k not in drop} for h in history]
 
 
 def test_resume_after_sigkill_is_bitwise_exact(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_params, uninterrupted_run
+from conftest import make_params, uninterrupted_run, without_timing
 from voxdiff.pipeline import plan
 from voxdiff.pipeline.train import run_training
 from voxdiff.training.trainer import Trainer
@@ -19,11 +19,6 @@ from voxdiff.training.trainer import Trainer
 
 def checkpoint(root: Path) -> dict:
     return torch.load(root / "models" / "checkpoint.pt", weights_only=True)
-
-
-def strip(history: list[dict]) -> list[dict]:
-    drop = ("wall_time", "samples_per_s", "peak_memory_mb", "timestamp")
-    return [{k: v for k, v in r.items() if k not in drop} for r in history]
 
 
 # --- item 10: the stop within the SIGTERM grace -----------------------------------------------------------
@@ -74,7 +69,7 @@ def test_a_stop_skips_validation_and_probe_and_saves_within_the_plans_estimate(t
     monkeypatch.setattr(Trainer, "train_step", real_step)
     run_training(p, tiny_root, progress=False)
     done = checkpoint(tiny_root)
-    assert strip(done["history"]) == strip(ref["history"])
+    assert without_timing(done["history"]) == without_timing(ref["history"])
     assert all(torch.equal(ref["model"][k], done["model"][k]) for k in ref["model"])
     print(f"stop-to-saved {saved_after:.2f} s; estimate {estimate['total_s']:.2f} s; skipped {skipped:.2f} s")
 

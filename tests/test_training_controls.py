@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, make_params, uninterrupted_run
+from conftest import REPO, make_params, uninterrupted_run, without_timing
 from voxdiff.training import trainer as trainer_mod
 from voxdiff.data.cache import open_cache
 from voxdiff.runtime.distributed import init_runtime
@@ -193,9 +193,7 @@ def test_ctrl_c_during_validation_resumes_exactly(tiny_root, tmp_path, monkeypat
     run_training(make_params(cfg), tiny_root, progress=False)
     done = torch.load(tiny_root / "models" / "checkpoint.pt", weights_only=True)
     assert all(torch.equal(ref["model"][k], done["model"][k]) for k in ref["model"])
-    drop = ("wall_time", "samples_per_s", "peak_memory_mb", "timestamp")
-    strip = lambda h: [{k: v for k, v in r.items() if k not in drop} for r in h]  # noqa: E731
-    assert strip(ref["history"]) == strip(done["history"])
+    assert without_timing(ref["history"]) == without_timing(done["history"])
     assert math.isfinite(done["history"][-1]["val_loss"])
 
 
@@ -226,9 +224,7 @@ def test_kept_copies_are_whole_states_and_change_nothing(tiny_root, tmp_path):
     resumed = torch.load(other / "models" / "checkpoint.pt", weights_only=True)
     for key in ("model", "ema"):
         assert all(torch.equal(ref[key][k], resumed[key][k]) for k in ref[key]), key
-    drop = ("wall_time", "samples_per_s", "peak_memory_mb", "timestamp")
-    strip = lambda h: [{k: v for k, v in r.items() if k not in drop} for r in h]  # noqa: E731
-    assert strip(resumed["history"]) == strip(ref["history"])
+    assert without_timing(resumed["history"]) == without_timing(ref["history"])
 
     # A fresh start (another lr) replaces the run, and its copies go with it
     run_training(make_params({**cfg, "train.lr": 5.0e-4}), tiny_root, progress=False)

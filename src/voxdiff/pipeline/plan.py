@@ -35,7 +35,7 @@ import torch
 from voxdiff.runtime.errors import VoxdiffError
 from voxdiff.params import Params, Train, validate
 from voxdiff.training import posthoc_ema
-from voxdiff.training.schedule import due_in_samples, plan_budget
+from voxdiff.training.schedule import crosses, due_in_samples, plan_budget
 
 # torch.save's zip format: per tensor a zip entry (local and central headers, 64-byte alignment) and its
 # pickle record; measured 360 B per tensor on the demo checkpoint (1,293 tensors).
@@ -90,7 +90,7 @@ def count_events(train: Train, world_size: int = 1, start_step: int = 0) -> Even
         probe += due_in_samples(before, now, train.gns_buckets_every_samples, last)
         snap += profiles and posthoc_ema.snapshot_due(before, now, b.total_samples, train.phema_snapshots)
         ckpt += due(step + 1, train.checkpoint_every, b.total_steps) and not last
-        kept += any(before < n <= now for n in train.keep_checkpoints_at_samples)
+        kept += crosses(before, now, train.keep_checkpoints_at_samples)
     if b.total_steps > start_step:
         ckpt += 1  # the finished checkpoint
     return Events(b.effective_batch, b.micro_batch, b.accumulate_every, world_size, b.total_steps, b.total_samples,

@@ -25,7 +25,7 @@ from voxdiff.tracking import dvc_metrics
 from voxdiff.tracking.runs import RunTracker
 from voxdiff.tracking.views import publish_training_view
 from voxdiff.training import checkpoint, posthoc_ema
-from voxdiff.training.schedule import due_in_samples, ema_rampup_end
+from voxdiff.training.schedule import crosses, due_in_samples, ema_rampup_end
 from voxdiff.training.trainer import Trainer, due
 
 TRAIN_COLUMNS = ("step", "samples_seen", "wall_time", "train_loss", "lr", "grad_norm", "clip_fraction", "gns",
@@ -262,8 +262,8 @@ def train_to_budget(trainer: Trainer, cache, tracker: RunTracker | None, save, r
                     run_sample_counted_events(trainer, record, before, last, stop_requested=interrupt.flag)
                 c.history.append(record)
                 report_progress(rt, bar, record, budget)
-                kept_now = any(before < n <= c.samples_seen for n in params.train.keep_checkpoints_at_samples)
-                if kept_now:  # as plan.count_events counts them
+                kept_now = crosses(before, c.samples_seen, params.train.keep_checkpoints_at_samples)
+                if kept_now:
                     save(finished=False, keep=True)
                 if stops_early(trainer, rt, before, last):
                     say(rt, f"early stop at step {c.step} ({c.samples_seen} samples): "

@@ -121,6 +121,12 @@ def ema_beta(train: Train, window_samples: int, samples_seen: int) -> float:
     return 0.5 ** (window_samples / max(ema_halflife(train, samples_seen), 1e-8))
 
 
+def crosses(before: int, after: int, points) -> bool:
+    """True when one of `points` (samples seen) lies in (before, after]: the step that took samples seen from
+    `before` to `after` reached it (train.keep_checkpoints_at_samples; the loop and plan.count_events both ask)."""
+    return any(before < n <= after for n in points)
+
+
 def due_in_samples(before: int, after: int, every: int, last: bool) -> bool:
     """True at the last step, or when a multiple of `every` lies in (before, after]; never for every = 0.
     Counted in samples, validation, post-hoc EMA snapshots and probes land at the same samples whatever
