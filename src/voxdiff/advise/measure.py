@@ -18,7 +18,7 @@ import torch
 from voxdiff.advise.fit import BranchCurve, SpeedRow
 from voxdiff.data.cache import ProcessedCache
 from voxdiff.runtime.errors import TrainingDiverged, VoxdiffError
-from voxdiff.params import Params, validate
+from voxdiff.params import Params, short_run
 from voxdiff.runtime.distributed import Runtime, peak_memory_mb, reset_peak_memory, timed
 from voxdiff.training.schedule import lr_at, plan_budget, scaled_lr
 from voxdiff.training.trainer import Trainer
@@ -83,13 +83,8 @@ class Session:
         """params.yaml with this micro-batch, accumulation and sample budget (and any other train keys);
         post-hoc EMA off and no kept copies (train.keep_checkpoints_at_samples: points of the advised run, past
         these budgets), so that no trainer made here writes snapshots or refuses its budget."""
-        raw = copy.deepcopy(self.params.raw)
-        raw["train"].update(batch_size=micro, accumulate_every=accumulate, max_steps=0,
-                            max_samples=max(1, int(total_samples)), phema_sigma_rels=[],
-                            keep_checkpoints_at_samples=[], **train)
-        if seed is not None:
-            raw["seed"] = seed
-        return validate(raw)
+        return short_run(self.params, max_samples=max(1, int(total_samples)), seed=seed, batch_size=micro,
+                         accumulate_every=accumulate, phema_sigma_rels=[], **train)
 
     def trainer(self, params: Params, restore: bool = True) -> Trainer:
         """A Trainer for `params`, holding the advised state's weights, EMA and Adam moments (restore)."""
@@ -115,9 +110,7 @@ def trained_batch(state: dict) -> int | None:
 def warm_up_state(params: Params, root: Path, rt: Runtime, cache: ProcessedCache, samples: int,
                   progress: Progress) -> dict:
     """No checkpoint: train `samples` from scratch at params.yaml's setting, in memory only."""
-    raw = copy.deepcopy(params.raw)
-    raw["train"].update(max_steps=0, max_samples=samples, phema_sigma_rels=[], keep_checkpoints_at_samples=[])
-    tr = Trainer(validate(raw), root, rt, cache)
+    tr = Trainer(short_run(params, max_samples=samples, phema_sigma_rels=[]), root, rt, cache)
     while tr.counters.samples_seen < samples:
         before = tr.counters.samples_seen
         tr.counters.history.append(tr.train_step())  # ema_position replays it

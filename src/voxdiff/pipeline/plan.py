@@ -22,7 +22,6 @@ Not part of the training's identity (codehash.training_sources: the stage's own 
 from __future__ import annotations
 
 import configparser
-import copy
 import dataclasses
 import os
 import shutil
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 from voxdiff.runtime.errors import VoxdiffError
-from voxdiff.params import Params, Train, validate
+from voxdiff.params import Params, Train, short_run
 from voxdiff.training import posthoc_ema
 from voxdiff.training.schedule import crosses, due_in_samples, plan_budget
 
@@ -412,9 +411,7 @@ def fmt_seconds(s: float) -> str:
 # --- measurements ----------------------------------------------------------------------------------
 def measuring_params(params: Params, steps: int) -> Params:
     """params.yaml with a budget of exactly the measured steps, every window full (no kept copies)."""
-    raw = copy.deepcopy(params.raw)
-    raw["train"].update(max_steps=steps, max_samples=0, keep_checkpoints_at_samples=[])
-    return validate(raw)
+    return short_run(params, max_steps=steps)
 
 
 def measure(trainer, steps: int, scratch_parent: Path) -> dict:
