@@ -112,7 +112,7 @@ def test_train_on_synthetic_orders_the_generators_honestly(scored):
     assert noise["eval_dice_tstr_synthetic"] < tm["eval_dice_tstr_synthetic"] - 0.3
 
 
-def test_segmenters_are_cached_and_deterministic(demo_data, scored):
+def test_segmenters_are_cached_and_deterministic(demo_data, scored, tmp_path, monkeypatch):
     """The real-trained segmenter is loaded from models/segmenter/, and scores as the one just trained."""
     from voxdiff.evaluation import segmenter
     from voxdiff.pipeline.evaluate import class_keys
@@ -127,6 +127,14 @@ def test_segmenters_are_cached_and_deterministic(demo_data, scored):
     assert not any(k.startswith("eval_dice_tstr") for k in again)
     assert {k: v for k, v in scored["noise"].items() if k.startswith("eval_dice_fidelity")} == \
         {k: v for k, v in again.items() if k.startswith("eval_dice_fidelity")}
+    # A queued DVC experiment evaluates in a temporary copy of the project (DVC_ROOT names the project): it loads
+    # the project's segmenters and leaves no copy of them in the temporary one, which DVC deletes.
+    queued_copy = tmp_path / "queue-copy"
+    monkeypatch.setenv("DVC_ROOT", str(root))
+    queued = segmenter.dice_metrics(fidelity_only, queued_copy, cache, subjects_of(cache, noise_generator),
+                                    class_keys(params, list(cache.label_values))[1], "cpu")
+    monkeypatch.delenv("DVC_ROOT")
+    assert queued["eval_segmenter_seconds"] is None and not (queued_copy / "models").exists()
     # An unreadable cache file is trained again and replaced (with a warning), to the same weights.
     files[0].write_bytes(b"not a checkpoint")
     with pytest.warns(UserWarning, match="unreadable"):

@@ -18,10 +18,12 @@ loss, scored with MONAI's DiceMetric), as med-ddpm and MAISI score theirs:
                    mean and std (ddof 1) over evaluate.segmenter_seeds seeds, and the ratio synthetic / real.
 
 The real-trained segmenters depend on the data only (the cache's fingerprint, which includes the split), the
-segmenter settings and the seed: each is trained once and kept in models/segmenter/<key>.pt (written
-atomically), so runs of one dataset share them and their ceiling. The key also holds this file's hash, the
-torch and MONAI versions and the device type. On the CPU a segmenter trains and runs on one thread: the same
-numbers on any machine's core count, and on 2 busy cores faster than two threads.
+segmenter settings and the seed: each is trained once and kept in the project's models/segmenter/<key>.pt
+(written atomically), so runs of one dataset share them and their ceiling. A queued DVC experiment keeps them
+in the project it was queued from (DVC_ROOT), not in its temporary copy, so a queued grid trains them once.
+The key also holds this file's hash, the torch and MONAI versions and the device type. On the CPU a segmenter
+trains and runs on one thread: the same numbers on any machine's core count, and on 2 busy cores faster than
+two threads.
 
 Metrics (class names as evaluate's: csf/gm/wm for the built-in data, label<value> otherwise):
   eval_dice_fidelity_<class>, _mean                 label fidelity (mean over the real-trained segmenters
@@ -54,7 +56,7 @@ from typing import Callable
 import numpy as np
 
 from voxdiff.runtime.errors import DataError, VoxdiffError
-from voxdiff.runtime.fsutil import atomic_path
+from voxdiff.runtime.fsutil import atomic_path, project_root
 
 BATCH = 2          # volumes per optimizer step (at 32^3 on the CPU: the fast convolution path, ~23 ms a step)
 LR = 1e-2          # Adam's learning rate
@@ -344,7 +346,7 @@ def dice_metrics(params, root, cache, subjects: list[dict], keys: list[str], dev
     spec = spec_of(params, C)
     images, labels = cache.stack(train_rows)
     images = images[:, 0]
-    folder = Path(root) / "models" / "segmenter"
+    folder = project_root(root) / "models" / "segmenter"
     trained: list[float] = []
     real_nets = []
     for i in range(ev.segmenter_seeds):
