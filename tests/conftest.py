@@ -152,11 +152,10 @@ def _quiet_threads():
 
 # Slowest first, by `pytest --durations` on 2 cores (a path prefix takes a module or a parametrized test).
 SLOW_FIRST = [
-    "tests/test_e2e_dvc.py::test_pipeline_repro_experiments_and_queue",  # ~310 s: dvc repro, edits, a queued grid
-    "tests/test_e2e_hosts.py",  # ~175 s: the grid on three clones and a real mlflow server, in its module fixture
+    "tests/test_e2e_dvc.py::test_pipeline_repro_experiments_and_queue",  # ~200 s: dvc repro, edits, a queued grid
+    "tests/test_e2e_hosts.py",  # ~100 s: the grid on three clones and a real mlflow server, in its module fixture
     "tests/test_compare_real.py",  # six trainings in its module fixture
-    "tests/test_resume_ddp.py::test_resume_after_sigkill_is_bitwise_exact",  # ~145 s
-    "tests/test_e2e_dvc.py::test_queued_grid_creates_one_run_each",
+    "tests/test_resume_ddp.py::test_resume_after_sigkill_is_bitwise_exact",  # ~80 s
     "tests/test_evaluate.py",  # a 512-sample training in its module fixture
     "tests/test_resume_ddp.py",  # torchrun on 2 processes
     "tests/test_advise.py",
