@@ -18,11 +18,12 @@ MLFLOW_UI := $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 # DVC outputs, ignored by git). tests/test_e2e_dvc.py runs it and checks that nothing is left untracked.
 BASELINE := git add dvc.lock metrics plots && git commit -m "demo baseline"
 
-.PHONY: demo test bench sweep study study-report study-advise ui-shot doctor docs lock clean-outputs help
+.PHONY: demo test test-profile bench sweep study study-report study-advise ui-shot doctor docs lock clean-outputs help
 
 help:
 	@echo "make demo   - set up .venv, run the pipeline (dvc repro) on the built-in data, show metrics"
 	@echo "make test   - set up .venv if needed and run the test suite"
+	@echo "make test-profile - make test, then the tests that wait most and compute most (wall and CPU time each)"
 	@echo "make bench  - side-by-side benchmarks -> benchmarks/results.json, RESULTS.md"
 	@echo "make sweep  - queue accumulate_every x seed experiments, run them, compare"
 	@echo "make study  - run (or continue) the study's grid, archive runs in docs/study/runs, rebuild reports"
@@ -54,6 +55,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder --durations=10 || { rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; exit $$rc; }
+
+# make test, with each test's wall and CPU time (tests/conftest.py): where the suite's time goes.
+test-profile: $(STAMP)
+	rm -f .test-profile.jsonl
+	VOXDIFF_TEST_PROFILE=$(CURDIR)/.test-profile.jsonl $(MAKE) --no-print-directory test
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

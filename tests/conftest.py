@@ -220,6 +220,11 @@ def pytest_xdist_auto_num_workers(config):
     set), not psutil's count of the host's physical cores. PYTEST_XDIST_AUTO_NUM_WORKERS still overrides it."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
+    return _usable_cpus()
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may use: its affinity, and a cgroup CPU quota where one is set."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
@@ -270,3 +275,56 @@ def _one_thread_from_the_start():
     import torch
 
     torch.set_num_threads(1)
+
+
+# --- where make test's time goes: VOXDIFF_TEST_PROFILE=<file> (make test-profile) -----------------------------
+# Per test (set-up, call and tear-down; a module fixture counts in its module's first test): its wall time and
+# the CPU time of its worker and of the subprocesses it waited for (a dvc queue's detached workers are not
+# counted). Wall well above CPU is waiting (a server starting, a queue polling, a sleep); the summary names
+# the tests that wait most and those that compute most.
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get("VOXDIFF_TEST_PROFILE")
+    if not path:
+        yield
+        return
+    import time
+
+    start, cpu = time.time(), _cpu_seconds()
+    yield
+    row = {"test": item.nodeid, "start": round(start, 2), "wall_s": round(time.time() - start, 2),
+           "cpu_s": round(_cpu_seconds() - cpu, 2), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
+    with open(path, "a") as fh:  # one short line per write: the workers' lines do not interleave
+        fh.write(json.dumps(row) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter):
+    path = os.environ.get("VOXDIFF_TEST_PROFILE")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not Path(path).is_file():
+        return
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    say = terminalreporter.write_line
+    t0 = min(r["start"] for r in rows)
+    span = max(r["start"] + r["wall_s"] for r in rows) - t0
+    cpu = sum(r["cpu_s"] for r in rows)
+    say(f"profile ({path}): {len(rows)} tests in {span:.0f} s, {sum(r['wall_s'] for r in rows):.0f} s of wall time "
+        f"in the workers, {cpu:.0f} s of CPU ({cpu / span:.2f} cores busy on average; {_usable_cpus()} usable)")
+    for worker in sorted({r["worker"] for r in rows}):
+        mine = [r for r in rows if r["worker"] == worker]
+        end = max(r["start"] + r["wall_s"] for r in mine)
+        say(f"  worker {worker or '-'}: {len(mine)} tests, {sum(r['wall_s'] for r in mine):.0f} s in tests, "
+            f"its last ended {end - t0:.0f} s after the first test started")
+    for title, key in (("waiting most (wall - CPU)", lambda r: r["wall_s"] - r["cpu_s"]),
+                       ("computing most (CPU)", lambda r: r["cpu_s"])):
+        say(f"{title}:")
+        for r in sorted(rows, key=key, reverse=True)[:10]:
+            say(f"  {r['wall_s']:7.1f} s wall {r['cpu_s']:7.1f} s CPU  {r['test']}")
