@@ -319,14 +319,9 @@ def test_changed_phema_settings_resume_the_run_with_its_own_profiles(tiny_root, 
     cfg = {**SHORT, "train.phema_sigma_rels": [0.05, 0.1], "train.phema_snapshots": 4}
     ref = uninterrupted_run(tiny_root, tmp_path / "ref", make_params(cfg))
 
-    real_step = Trainer.train_step
-    monkeypatch.setattr(Trainer, "train_step", lambda self: (_ for _ in ()).throw(KeyboardInterrupt)
-                        if self.counters.step == 2 else real_step(self))
-    with pytest.raises(KeyboardInterrupt):
-        run_training(make_params(cfg), tiny_root, progress=False)
-    monkeypatch.setattr(Trainer, "train_step", real_step)
+    interrupted_at_step_2(tiny_root, cfg, monkeypatch)
     stopped = checkpoint(tiny_root)
-    assert stopped["step"] == 2 and stopped["phema"]["snapshots"] == [1, 2]  # 4 per run: every 2 samples
+    assert stopped["phema"]["snapshots"] == [1, 2]  # 4 per run: every 2 samples
     summary = run_training(make_params({**cfg, "train.phema_sigma_rels": [0.05, 0.1, 0.2],
                                         "train.phema_snapshots": 2}), tiny_root, progress=False)
     done = checkpoint(tiny_root)
