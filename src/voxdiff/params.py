@@ -6,7 +6,6 @@ from params.yaml is an error, so the file stays the single source of truth.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
@@ -412,18 +411,6 @@ def validate(raw: Any) -> Params:
     p = Params(**values, raw=raw)
     _cross_checks(p)
     return p
-
-
-def short_run(params: Params, *, max_samples: int = 0, max_steps: int = 0, seed: int | None = None,
-              **train: Any) -> Params:
-    """params with another training budget (and any other train keys, and seed) for a short run made from them:
-    advise's branches and warm-up, --plan's measured steps. train.keep_checkpoints_at_samples is emptied: its
-    points belong to the full run, lie past such a budget and would be refused there."""
-    raw = copy.deepcopy(params.raw)
-    raw["train"].update(max_samples=max_samples, max_steps=max_steps, keep_checkpoints_at_samples=[], **train)
-    if seed is not None:
-        raw["seed"] = seed
-    return validate(raw)
 
 
 def _cross_checks(p: Params) -> None:

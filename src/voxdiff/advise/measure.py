@@ -18,7 +18,8 @@ import torch
 from voxdiff.advise.fit import BranchCurve, SpeedRow
 from voxdiff.data.cache import ProcessedCache
 from voxdiff.runtime.errors import TrainingDiverged, VoxdiffError
-from voxdiff.params import Params, short_run
+from voxdiff.params import Params
+from voxdiff.pipeline.plan import short_run
 from voxdiff.runtime.distributed import Runtime, peak_memory_mb, reset_peak_memory, timed
 from voxdiff.training.schedule import lr_at, plan_budget, scaled_lr
 from voxdiff.training.trainer import Trainer

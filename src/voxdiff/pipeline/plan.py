@@ -22,6 +22,7 @@ Not part of the training's identity (codehash.training_sources: the stage's own 
 from __future__ import annotations
 
 import configparser
+import copy
 import dataclasses
 import os
 import shutil
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from voxdiff.runtime.errors import VoxdiffError
-from voxdiff.params import Params, Train, short_run
+from voxdiff.params import Params, Train, validate
 from voxdiff.training import posthoc_ema
 from voxdiff.training.schedule import crosses, due_in_samples, plan_budget
 
@@ -409,6 +410,19 @@ def fmt_seconds(s: float) -> str:
 
 
 # --- measurements ----------------------------------------------------------------------------------
+def short_run(params: Params, *, max_samples: int = 0, max_steps: int = 0, seed: int | None = None,
+              **train) -> Params:
+    """params with another training budget (and any other train keys, and seed) for a short run made from them:
+    advise's branches and warm-up, --plan's measured steps. train.keep_checkpoints_at_samples is emptied: its
+    points belong to the full run, lie past such a budget and would be refused there. (Here, not in params.py:
+    params.py is part of the training code's hash, and training never calls this.)"""
+    raw = copy.deepcopy(params.raw)
+    raw["train"].update(max_samples=max_samples, max_steps=max_steps, keep_checkpoints_at_samples=[], **train)
+    if seed is not None:
+        raw["seed"] = seed
+    return validate(raw)
+
+
 def measuring_params(params: Params, steps: int) -> Params:
     """params.yaml with a budget of exactly the measured steps, every window full (no kept copies)."""
     return short_run(params, max_steps=steps)
