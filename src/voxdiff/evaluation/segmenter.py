@@ -20,10 +20,11 @@ loss, scored with MONAI's DiceMetric), as med-ddpm and MAISI score theirs:
 The real-trained segmenters depend on the data only (the cache's fingerprint, which includes the split), the
 segmenter settings and the seed: each is trained once and kept in the project's models/segmenter/<key>.pt
 (written atomically), so runs of one dataset share them and their ceiling. A queued DVC experiment keeps them
-in the project it was queued from (DVC_ROOT), not in its temporary copy, so a queued grid trains them once.
-The key also holds this file's hash, the torch and MONAI versions and the device type. On the CPU a segmenter
-trains and runs on one thread: the same numbers on any machine's core count, and on 2 busy cores faster than
-two threads.
+in the project it was queued from (DVC_ROOT), not in its temporary copy, so the experiments of a queued grid
+share them too (two evaluations at the same moment may each train a missing one: the same weights, written
+twice). The key also holds this file's hash, the torch and MONAI versions and the device type. On the CPU a
+segmenter trains and runs on one thread: the same numbers on any machine's core count, and on 2 busy cores
+faster than two threads.
 
 Metrics (class names as evaluate's: csf/gm/wm for the built-in data, label<value> otherwise):
   eval_dice_fidelity_<class>, _mean                 label fidelity (mean over the real-trained segmenters
