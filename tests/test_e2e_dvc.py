@@ -234,22 +234,29 @@ def test_pipeline_repro_experiments_and_queue(tmp_path):
     assert "train.accumulate_every" in header and "val_loss" in header and "final_val_loss" not in header
 
     # 4. A 3-run grid from the committed baseline (accumulate 2), on 2 workers, into no MLflow store: two trainings
-    # create one store at once, a worker then takes the third task, and evaluations log into it two at once. Exactly
-    # one run per setting, with its params, logged to the user's repo root and not to the deleted queue temp dirs.
-    # The store so far moves out of the repo (inside, as an untracked file, the queue would commit it to each
-    # experiment). Every setting differs from the baseline's and the Try line's, so each one trains.
+    # create one store at once, a worker then takes the third task, and the evaluations log into it from both
+    # workers. Exactly one run per setting, with its params and its evaluation, in the user's repo root and not in
+    # the deleted queue temp dirs, and the store's schema at MLflow's revision (as the migrations MLflow ran for the
+    # first store left it). The store so far moves out of the repo (inside, as an untracked file, the queue would
+    # commit it to each experiment). Every setting differs from the baseline's and the Try line's, so each trains.
     # (Read with sqlite3: this process's MLflow client keeps its engine on the path, now the moved store's file.)
-    (repo / "mlflow.db").rename(tmp_path / "mlflow-before-grid.db")
+    before = tmp_path / "mlflow-before-grid.db"
+    (repo / "mlflow.db").rename(before)
     run_queue(repo, "train.accumulate_every=1,3,8", jobs=2)
     with sqlite3.connect(repo / "mlflow.db") as db:
         runs = db.execute(
             "select r.status, k.value, b.value, (select count(*) from latest_metrics m where m.run_uuid = r.run_uuid"
-            " and m.key = 'eval_ssim') from runs r join tags t on t.run_uuid = r.run_uuid and t.key = 'voxdiff.kind'"
-            " and t.value = 'train' join params k on k.run_uuid = r.run_uuid and k.key = 'train.accumulate_every'"
-            " join params b on b.run_uuid = r.run_uuid and b.key = 'effective_batch_size' order by k.value").fetchall()
+            " and m.key = 'eval_ssim') from runs r join experiments e on e.experiment_id = r.experiment_id"
+            " and e.name = 'voxdiff' join tags t on t.run_uuid = r.run_uuid and t.key = 'voxdiff.kind'"
+            " and t.value = 'train' left join params k on k.run_uuid = r.run_uuid and k.key = 'train.accumulate_every'"
+            " left join params b on b.run_uuid = r.run_uuid and b.key = 'effective_batch_size'"
+            " where r.lifecycle_stage = 'active' order by k.value").fetchall()
         (location,) = db.execute("select artifact_location from experiments where name='voxdiff'").fetchone()
-    assert runs == [("FINISHED", k, k, 1) for k in ("1", "3", "8")], runs  # evaluate logged into each
+        revision = db.execute("select version_num from alembic_version").fetchall()
+    assert runs == [("FINISHED", k, k, 1) for k in ("1", "3", "8")], runs
     assert location.startswith("file://") and str(repo) in location
+    with sqlite3.connect(before) as db:
+        assert revision == db.execute("select version_num from alembic_version").fetchall() and len(revision) == 1
     # `dvc exp show --only-changed` fits a 160-column terminal. Before the DVC metrics were split it was 2467
     # characters wide (70 metric columns and a 32-character hash for each of models/checkpoint.pt and
     # metrics/train.json).
