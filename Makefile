@@ -58,7 +58,6 @@ test: $(STAMP)
 
 # make test, with each test's wall and CPU time (tests/conftest.py): where the suite's time goes.
 test-profile: $(STAMP)
-	rm -f .test-profile.jsonl
 	VOXDIFF_TEST_PROFILE=$(CURDIR)/.test-profile.jsonl $(MAKE) --no-print-directory test
 
 bench: $(STAMP)

@@ -278,10 +278,16 @@ def _one_thread_from_the_start():
 
 
 # --- where make test's time goes: VOXDIFF_TEST_PROFILE=<file> (make test-profile) -----------------------------
-# Per test (set-up, call and tear-down; a module fixture counts in its module's first test): its wall time and
-# the CPU time of its worker and of the subprocesses it waited for (a dvc queue's detached workers are not
-# counted). Wall well above CPU is waiting (a server starting, a queue polling, a sleep); the summary names
-# the tests that wait most and those that compute most.
+# Per test (set-up, call and tear-down; a broader fixture's set-up counts in the first test that uses it, its
+# tear-down in the last): its wall time and the CPU time of its worker and of the subprocesses it waited for (a dvc
+# queue's detached workers are not counted). Wall well above CPU is waiting (a server starting, a queue polling, a
+# sleep); the summary names the tests that wait most and those that compute most. The file is emptied first.
+def pytest_configure(config):
+    path = os.environ.get("VOXDIFF_TEST_PROFILE")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without xdist), once
+        Path(path).write_text("")
+
+
 def _cpu_seconds() -> float:
     import resource
 
@@ -314,7 +320,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     say = terminalreporter.write_line
     t0 = min(r["start"] for r in rows)
-    span = max(r["start"] + r["wall_s"] for r in rows) - t0
+    span = max(max(r["start"] + r["wall_s"] for r in rows) - t0, 1e-3)
     cpu = sum(r["cpu_s"] for r in rows)
     say(f"profile ({path}): {len(rows)} tests in {span:.0f} s, {sum(r['wall_s'] for r in rows):.0f} s of wall time "
         f"in the workers, {cpu:.0f} s of CPU ({cpu / span:.2f} cores busy on average; {_usable_cpus()} usable)")
