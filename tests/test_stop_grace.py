@@ -45,7 +45,10 @@ def test_a_stop_skips_validation_and_probe_and_saves_within_the_plans_estimate(t
     events = plan.count_events(p.train)
     estimate = plan.stop_to_saved(m, plan.checkpoint_bytes(plan.sizes_for(p, 3), p.train, events), p.train)
     skipped = m["validation_s"] + plan.predict(events, p.train, m, False)["probe_gradients"] * m["probe_gradient_s"]
-    bound = 2 * estimate["total_s"] + 0.5  # machine noise on shared cores
+    # Machine noise on 2 shared cores: with a queued DVC grid training on both, the stop once took 1.05 s against an
+    # estimate of 0.26 s measured moments before (4x; the bound was 2x + 0.5 s). The teeth stay: skipping nothing
+    # costs the validation and the probe, ~15x the estimate.
+    bound = 5 * estimate["total_s"] + 0.25
     assert skipped > bound  # the test has teeth: running them would overrun the bound
 
     real_step, sent = Trainer.train_step, {}
