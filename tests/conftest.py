@@ -14,6 +14,11 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+# One OpenMP thread in every process the suite starts (voxdiff commands, DVC stages, torchrun ranks, queue
+# workers), as in its own workers (_one_thread_from_the_start): xdist already keeps every core busy with a
+# test, and a second thread per process spins on a core another test is using.
+os.environ["OMP_NUM_THREADS"] = "1"
 BASE_RAW = yaml.safe_load((REPO / "params.yaml").read_text())
 
 # A configuration small enough for many training runs per test (16^3, two UNet levels).
