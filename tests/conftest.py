@@ -291,6 +291,21 @@ def pytest_configure(config):
     path = os.environ.get("VOXDIFF_TEST_PROFILE")
     if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a run without xdist), once
         Path(path).write_text("")
+        _MACHINE_AT_START.update(_machine_jiffies())
+
+
+_MACHINE_AT_START: dict = {}
+
+
+def _machine_jiffies() -> dict:
+    """The whole machine's CPU time so far (/proc/stat, all cores): busy, idle and stolen by the hypervisor. The
+    tests' own count misses the detached queue workers and whatever else runs; this one misses nothing."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return {}
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return {"busy": user + nice + system + irq + softirq, "idle": idle + iowait, "steal": steal}
 
 
 def _cpu_seconds() -> float:
@@ -329,6 +344,13 @@ def pytest_terminal_summary(terminalreporter):
     cpu = sum(r["cpu_s"] for r in rows)
     say(f"profile ({path}): {len(rows)} tests in {span:.0f} s, {sum(r['wall_s'] for r in rows):.0f} s of wall time "
         f"in the workers, {cpu:.0f} s of CPU ({cpu / span:.2f} cores busy on average; {_usable_cpus()} usable)")
+    end = _machine_jiffies()
+    if _MACHINE_AT_START and end:
+        used = {k: end[k] - _MACHINE_AT_START[k] for k in end}
+        total = max(sum(used.values()), 1)
+        cores = os.cpu_count() or 1
+        say(f"  the machine over the run: {cores * used['busy'] / total:.2f} of {cores} cores busy (every process), "
+            f"{cores * used['idle'] / total:.2f} idle, {cores * used['steal'] / total:.2f} stolen by the hypervisor")
     for worker in sorted({r["worker"] for r in rows}):
         mine = [r for r in rows if r["worker"] == worker]
         end = max(r["start"] + r["wall_s"] for r in mine)
