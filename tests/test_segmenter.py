@@ -149,6 +149,69 @@ def test_segmenters_are_cached_and_deterministic(demo_data, scored, tmp_path, mo
     assert np.array_equal(wa.numpy(), wb.numpy()) and not np.array_equal(wa.numpy(), wc.numpy())
 
 
+def test_side_by_side_evaluations_train_a_missing_segmenter_once(demo_data, tmp_path):
+    """Two queued experiments evaluating at once (`dvc queue start -j 2`) into the project's folder: one trains
+    the missing segmenter, the other waits and loads it; a temporary folder that a killed evaluation left while
+    writing the file is cleared. Without the lock both trained (the negative control below)."""
+    import threading
+
+    import torch
+
+    from voxdiff.evaluation import segmenter
+
+    params, root, cache = demo_data
+    images, labels = cache.stack(cache.split_indices("train")[:4])
+    spec = dataclasses.replace(segmenter.spec_of(params, cache.num_classes), steps=4)
+
+    def race(folder, seed):
+        start, out = threading.Barrier(2), []
+
+        def one():
+            start.wait()
+            out.append(segmenter.real_segmenter(folder, cache.fingerprint, images[:, 0], labels, spec, seed)[1])
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        threads_before = torch.get_num_threads()
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            torch.set_num_threads(threads_before)
+        return out
+
+    folder = tmp_path / "segmenter"
+    key = segmenter.cache_key(cache.fingerprint, spec, 0, "cpu")
+    left = folder / f".{key}.pt.killed.tmp"
+    left.mkdir(parents=True)
+    (left / f"{key}.pt").write_bytes(b"half a file")
+    seconds = race(folder, 0)
+    assert sorted(s is None for s in seconds) == [False, True], seconds  # one trained, one loaded
+    assert not left.exists() and [p.name for p in folder.glob("*.pt")] == [f"{key}.pt"]
+
+    # Negative control: the same race with the lock taken away trains twice.
+    class NoLock:
+        def __init__(self, *a, **k):
+            pass
+
+        def acquire(self):
+            pass
+
+        def release(self):
+            pass
+
+    import filelock
+
+    real = filelock.FileLock
+    filelock.FileLock = NoLock
+    try:
+        unlocked = race(tmp_path / "unlocked", 0)
+    finally:
+        filelock.FileLock = real
+    assert all(s is not None for s in unlocked), unlocked
+
+
 def test_off_and_bad_input(demo_data, tmp_path):
     from voxdiff.data.cache import ProcessedCache
     from voxdiff.runtime.errors import DataError, VoxdiffError

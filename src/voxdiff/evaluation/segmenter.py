@@ -206,27 +206,46 @@ def cache_key(fingerprint: str, spec: SegmenterSpec, seed: int, device_type: str
 def real_segmenter(folder: Path, fingerprint: str, images: np.ndarray, labels: np.ndarray, spec: SegmenterSpec,
                    seed: int, device=None):
     """The segmenter trained on the real training volumes with `seed`: loaded from folder/<key>.pt, or trained
-    and written there (atomically). Returns (network, seconds trained here or None when loaded)."""
+    and written there (atomically). Returns (network, seconds trained here or None when loaded).
+
+    Queued experiments evaluate side by side into one folder (the project's, segmenter.dice_metrics): a lock per
+    file makes the first train it and the others wait and load it, and whoever holds the lock clears the
+    temporary folders an evaluation killed while writing that file left behind."""
+    import shutil
+
     import torch
+    from filelock import FileLock
 
     device = torch.device(device or "cpu")
     path = Path(folder) / f"{cache_key(fingerprint, spec, seed, device.type)}.pt"
-    if path.is_file():
-        try:
-            saved = torch.load(path, map_location=device, weights_only=True)
-            net = build_segmenter(spec).to(device)
-            net.load_state_dict(saved["state_dict"])
-            return net.eval(), None
-        except Exception as e:  # a truncated or foreign file: train again and replace it
-            warnings.warn(f"{path}: unreadable ({type(e).__name__}); training the segmenter again")
-    net, seconds = train_segmenter(images, labels, spec, seed, device)
-    meta = {"data_fingerprint": fingerprint, "seed": seed, "spec": dataclasses.asdict(spec), "seconds": seconds}
     try:
-        with atomic_path(path) as tmp:
-            torch.save({"state_dict": {k: v.cpu() for k, v in net.state_dict().items()}, "meta": meta}, tmp)
-    except OSError as e:  # the metrics do not need the cache
-        warnings.warn(f"{path}: cannot write the segmenter ({e.strerror or type(e).__name__}); it is trained again "
-                      "next time")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(path) + ".lock")
+        lock.acquire()
+    except OSError:  # a folder it cannot write: train here, without the cache (the write below warns)
+        lock = None
+    try:
+        for stale in path.parent.glob(f".{path.name}.*.tmp") if lock is not None else ():
+            shutil.rmtree(stale, ignore_errors=True)
+        if path.is_file():
+            try:
+                saved = torch.load(path, map_location=device, weights_only=True)
+                net = build_segmenter(spec).to(device)
+                net.load_state_dict(saved["state_dict"])
+                return net.eval(), None
+            except Exception as e:  # a truncated or foreign file: train again and replace it
+                warnings.warn(f"{path}: unreadable ({type(e).__name__}); training the segmenter again")
+        net, seconds = train_segmenter(images, labels, spec, seed, device)
+        meta = {"data_fingerprint": fingerprint, "seed": seed, "spec": dataclasses.asdict(spec), "seconds": seconds}
+        try:
+            with atomic_path(path) as tmp:
+                torch.save({"state_dict": {k: v.cpu() for k, v in net.state_dict().items()}, "meta": meta}, tmp)
+        except OSError as e:  # the metrics do not need the cache
+            warnings.warn(f"{path}: cannot write the segmenter ({e.strerror or type(e).__name__}); it is trained "
+                          "again next time")
+    finally:
+        if lock is not None:
+            lock.release()
     return net, seconds
 
 
