@@ -31,11 +31,6 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def _threads(_quiet_threads):  # after conftest's fixture, which sets 2
-    _one_thread()
-
-
 def _env(mp: pytest.MonkeyPatch, root: Path) -> None:
     mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     for var in ("DVC_EXP_NAME", "DVC_ROOT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):

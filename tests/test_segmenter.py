@@ -149,12 +149,13 @@ def test_segmenters_are_cached_and_deterministic(demo_data, scored, tmp_path, mo
     assert np.array_equal(wa.numpy(), wb.numpy()) and not np.array_equal(wa.numpy(), wc.numpy())
 
 
-def test_side_by_side_evaluations_train_a_missing_segmenter_once(demo_data, tmp_path):
+def test_side_by_side_evaluations_train_a_missing_segmenter_once(demo_data, tmp_path, monkeypatch):
     """Two queued experiments evaluating at once (`dvc queue start -j 2`) into the project's folder: one trains
     the missing segmenter, the other waits and loads it; a temporary folder that a killed evaluation left while
-    writing the file is cleared. Without the lock both trained (the negative control below)."""
+    writing the file is cleared. Without the lock both train (the negative control below)."""
     import threading
 
+    import filelock
     import torch
 
     from voxdiff.evaluation import segmenter
@@ -163,22 +164,26 @@ def test_side_by_side_evaluations_train_a_missing_segmenter_once(demo_data, tmp_
     images, labels = cache.stack(cache.split_indices("train")[:4])
     spec = dataclasses.replace(segmenter.spec_of(params, cache.num_classes), steps=4)
 
-    def race(folder, seed):
-        start, out = threading.Barrier(2), []
+    def race(folder):
+        """Two threads at a barrier, then real_segmenter each: the seconds each trained (None: loaded)."""
+        start, out, errors = threading.Barrier(2), [], []
 
         def one():
-            start.wait()
-            out.append(segmenter.real_segmenter(folder, cache.fingerprint, images[:, 0], labels, spec, seed)[1])
+            try:
+                start.wait()
+                out.append(segmenter.real_segmenter(folder, cache.fingerprint, images[:, 0], labels, spec, 0)[1])
+            except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread below
+                errors.append(e)
 
         threads = [threading.Thread(target=one) for _ in range(2)]
-        threads_before = torch.get_num_threads()
-        try:
+        with torch.random.fork_rng():  # training seeds torch's global generator
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-        finally:
-            torch.set_num_threads(threads_before)
+        if errors:
+            raise errors[0]
+        assert len(out) == 2
         return out
 
     folder = tmp_path / "segmenter"
@@ -186,30 +191,31 @@ def test_side_by_side_evaluations_train_a_missing_segmenter_once(demo_data, tmp_
     left = folder / f".{key}.pt.killed.tmp"
     left.mkdir(parents=True)
     (left / f"{key}.pt").write_bytes(b"half a file")
-    seconds = race(folder, 0)
+    seconds = race(folder)
     assert sorted(s is None for s in seconds) == [False, True], seconds  # one trained, one loaded
     assert not left.exists() and [p.name for p in folder.glob("*.pt")] == [f"{key}.pt"]
 
-    # Negative control: the same race with the lock taken away trains twice.
+    # Negative control: without the lock, both threads train (each waits inside training for the other, so
+    # neither can have found the other's file).
     class NoLock:
         def __init__(self, *a, **k):
             pass
 
-        def acquire(self):
+        def acquire(self, timeout=None):
             pass
 
         def release(self):
             pass
 
-    import filelock
+    both_training, train = threading.Barrier(2, timeout=60), segmenter.train_segmenter
 
-    real = filelock.FileLock
-    filelock.FileLock = NoLock
-    try:
-        unlocked = race(tmp_path / "unlocked", 0)
-    finally:
-        filelock.FileLock = real
-    assert all(s is not None for s in unlocked), unlocked
+    def train_when_both_do(*a, **k):
+        both_training.wait()
+        return train(*a, **k)
+
+    monkeypatch.setattr(filelock, "FileLock", NoLock)
+    monkeypatch.setattr(segmenter, "train_segmenter", train_when_both_do)
+    assert all(s is not None for s in race(tmp_path / "unlocked"))
 
 
 def test_off_and_bad_input(demo_data, tmp_path):

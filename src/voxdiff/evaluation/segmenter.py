@@ -21,8 +21,8 @@ The real-trained segmenters depend on the data only (the cache's fingerprint, wh
 segmenter settings and the seed: each is trained once and kept in the project's models/segmenter/<key>.pt
 (written atomically), so runs of one dataset share them and their ceiling. A queued DVC experiment keeps them
 in the project it was queued from (DVC_ROOT), not in its temporary copy, so the experiments of a queued grid
-share them too (two evaluations at the same moment may each train a missing one: the same weights, written
-twice). The key also holds this file's hash, the torch and MONAI versions and the device type. On the CPU a
+share them too; evaluations at the same moment take a lock per file (<key>.pt.lock): the first trains a missing
+one, the others wait and load it. The key also holds this file's hash, the torch and MONAI versions and the device type. On the CPU a
 segmenter trains and runs on one thread: the same numbers on any machine's core count, and on 2 busy cores
 faster than two threads.
 
@@ -48,6 +48,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
 import sys
 import time
 import warnings
@@ -65,6 +66,7 @@ GEN_BATCH = 4      # synthetic volumes per sampler call (DDIM runs a batch in on
 TSTR_STREAM = 0x74737472  # the sampler's noise stream ("subject") of the synthetic training volumes
 ARMS = ("synthetic", "real", "both")
 FORMAT = 1
+LOCK_WAIT_S = 1800  # the longest a side-by-side evaluation waits for another to train a missing segmenter
 
 # generate(label maps [B, D, H, W] class indices, index of the first volume) -> volumes [B, D, H, W] in [-1, 1]
 Generator = Callable[[np.ndarray, int], np.ndarray]
@@ -211,8 +213,6 @@ def real_segmenter(folder: Path, fingerprint: str, images: np.ndarray, labels: n
     Queued experiments evaluate side by side into one folder (the project's, segmenter.dice_metrics): a lock per
     file makes the first train it and the others wait and load it, and whoever holds the lock clears the
     temporary folders an evaluation killed while writing that file left behind."""
-    import shutil
-
     import torch
     from filelock import FileLock
 
@@ -221,13 +221,14 @@ def real_segmenter(folder: Path, fingerprint: str, images: np.ndarray, labels: n
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(path) + ".lock")
-        lock.acquire()
-    except OSError:  # a folder it cannot write: train here, without the cache (the write below warns)
+        lock.acquire(timeout=LOCK_WAIT_S)
+    except OSError as e:  # a folder it cannot write, or a holder that hangs (filelock.Timeout is an OSError)
+        warnings.warn(f"{path}: no lock ({e.strerror or type(e).__name__}); the segmenter is used without the cache")
         lock = None
     try:
         for stale in path.parent.glob(f".{path.name}.*.tmp") if lock is not None else ():
             shutil.rmtree(stale, ignore_errors=True)
-        if path.is_file():
+        if path.is_file():  # without the lock too: reading is safe, the file is replaced atomically
             try:
                 saved = torch.load(path, map_location=device, weights_only=True)
                 net = build_segmenter(spec).to(device)
@@ -236,6 +237,8 @@ def real_segmenter(folder: Path, fingerprint: str, images: np.ndarray, labels: n
             except Exception as e:  # a truncated or foreign file: train again and replace it
                 warnings.warn(f"{path}: unreadable ({type(e).__name__}); training the segmenter again")
         net, seconds = train_segmenter(images, labels, spec, seed, device)
+        if lock is None:  # writing unlocked could race a lock holder clearing temporary folders
+            return net, seconds
         meta = {"data_fingerprint": fingerprint, "seed": seed, "spec": dataclasses.asdict(spec), "seconds": seconds}
         try:
             with atomic_path(path) as tmp:
