@@ -3,8 +3,6 @@ AMX's bf16 kernel is wrong when the output width is 1 and the width stride above
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -91,9 +89,13 @@ def test_a_wrong_bf16_kernel_is_reported(monkeypatch):
 
 
 def test_doctor_checks_bf16_convolutions_on_the_users_grid(tmp_path):
+    # `voxdiff doctor` in this process (test_params_cli runs it as a subprocess; a second interpreter costs ~6 s)
+    from click.testing import CliRunner
+
+    from voxdiff.cli import main
+
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(width_one_params()))
-    out = subprocess.run([sys.executable, "-m", "voxdiff.cli", "doctor", "--root", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    line = next(line for line in out.stdout.splitlines() if line.startswith("bf16 conv3d"))
+    out = CliRunner().invoke(main, ["doctor", "--root", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    line = next(line for line in out.output.splitlines() if line.startswith("bf16 conv3d"))
     assert line.split(None, 2)[2].startswith("ok: ") and "of the network at 32x32x8 match fp32" in line, line
