@@ -129,8 +129,15 @@ def test_changed_params_start_fresh(tmp_path, monkeypatch):
     root = tmp_path / "p"
     trained_here(root, {"train.max_samples": 8, "train.batch_size": 1}, monkeypatch)  # finished, at lr 0.001
     (root / "params.yaml").write_text(yaml.safe_dump(raw_params(**{**TINY, "train.max_samples": 8, "train.batch_size": 1, "train.lr": 5.0e-4})))
-    second = subprocess.run(train_cmd(root), env=env_for(root), capture_output=True, text=True)
-    assert second.returncode == 0
+    # `voxdiff train` in this process (trained_here's environment): resume across processes is the SIGKILL test's
+    from click.testing import CliRunner
+
+    from voxdiff.cli import main
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    second = CliRunner().invoke(main, ["train", "--root", str(root), "--no-progress"])
+    assert second.exit_code == 0, second.output
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # the process's handlers, put back
     # a finished run: retrained, and the log names what changed
     assert "finished run of other training settings (train.lr 0.001 -> 0.0005)" in second.stderr
     assert "starting fresh" in second.stderr
