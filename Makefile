@@ -50,7 +50,7 @@ demo: $(STAMP)
 	@echo 'Baseline:    $(BASELINE)   (what dvc exp show and dvc plots diff compare experiments to)'
 	@echo "Try:         $(TRY_EXP)   and   $(TRY_COMPARE)"
 
-# One xdist worker per core (tests/conftest.py: the slowest start first, tests sharing a module's fixture run on one
+# One xdist worker per core and one more (tests/conftest.py: the slowest start first, tests sharing a module's fixture run on one
 # worker); the 10 slowest tests are listed at the end. Exit 5 (no test collected) fails, and says so.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder --durations=10 || { rc=$$?; \
