@@ -162,7 +162,7 @@ SLOW_FIRST = [
     "tests/test_e2e_hosts.py",  # ~100 s: the grid on three clones and a real mlflow server, in its module fixture
     "tests/test_compare_real.py",  # six trainings in its module fixture
     "tests/test_evaluate.py",  # a 512-sample training in its module fixture
-    "tests/test_resume_ddp.py::test_resume_after_sigkill_is_bitwise_exact",  # 84 s at 160 samples, now 80
+    "tests/test_resume_ddp.py::test_resume_after_sigkill_is_bitwise_exact",  # ~45 s (80 samples)
     "tests/test_resume_ddp.py",  # torchrun on 2 processes
     "tests/test_advise.py",
     "tests/test_tracking_outage.py",

@@ -39,8 +39,7 @@ def sh(repo: Path, *cmd: str, check: bool = True, env=None) -> subprocess.Comple
 def repo_env(repo: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DVC_", "PYTEST_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t",
-               OMP_NUM_THREADS="1")
+    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
     return env
 
 

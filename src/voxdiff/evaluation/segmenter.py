@@ -22,9 +22,9 @@ segmenter settings and the seed: each is trained once and kept in the project's 
 (written atomically), so runs of one dataset share them and their ceiling. A queued DVC experiment keeps them
 in the project it was queued from (DVC_ROOT), not in its temporary copy, so the experiments of a queued grid
 share them too; evaluations at the same moment take a lock per file (<key>.pt.lock): the first trains a missing
-one, the others wait and load it. The key also holds this file's hash, the torch and MONAI versions and the device type. On the CPU a
-segmenter trains and runs on one thread: the same numbers on any machine's core count, and on 2 busy cores
-faster than two threads.
+one, the others wait and load it. The key also holds this file's hash, the torch and MONAI versions and the
+device type. On the CPU a segmenter trains and runs on one thread: the same numbers on any machine's core
+count, and on 2 busy cores faster than two threads.
 
 Metrics (class names as evaluate's: csf/gm/wm for the built-in data, label<value> otherwise):
   eval_dice_fidelity_<class>, _mean                 label fidelity (mean over the real-trained segmenters
