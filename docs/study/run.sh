@@ -57,7 +57,18 @@ start_workers
 # interrupted study keeps every run that completed.
 done_before=0
 idle_polls=0
-while sleep 30 && status=$(dvc queue status) && grep -qE 'Queued|Running' <<<"$status"; do
+status_failures=0
+while sleep 30; do
+  # `dvc queue status` can fail for a moment ("unexpected error - Expecting value", treeverse/dvc#8014: it reads a
+  # task's JSON info file while the worker writes it). That must not end the wait: it once ended it during a run's
+  # evaluation, so the run went unexported and the reports were rebuilt without it. Ten failures in a row do.
+  if ! status=$(dvc queue status 2>/dev/null); then
+    status_failures=$((status_failures + 1))
+    if [ "$status_failures" -ge 10 ]; then echo "dvc queue status failed 10 times in a row: not waiting for the queue" >&2; break; fi
+    continue
+  fi
+  status_failures=0
+  grep -qE 'Queued|Running' <<<"$status" || break
   done_now=$(grep -cE 'Success|Failed' <<<"$status" || true)
   if [ "$done_now" != "$done_before" ]; then export_runs; done_before=$done_now; fi
   # A worker can stop after one task (a stale shutdown message in the queue's broker): start the workers again,
