@@ -59,9 +59,10 @@ done_before=0
 idle_polls=0
 status_failures=0
 while sleep 30; do
-  # `dvc queue status` can fail for a moment ("unexpected error - Expecting value", treeverse/dvc#8014: it reads a
-  # task's JSON info file while the worker writes it). That must not end the wait: it once ended it during a run's
-  # evaluation, so the run went unexported and the reports were rebuilt without it. Ten failures in a row do.
+  # `dvc queue status` can fail once and answer the next time ("unexpected error - Expecting value": a JSON read
+  # inside DVC, most likely of a task's info file while it is written; treeverse/dvc#8014 shows the same kind). That
+  # must not end the wait: it once ended it during a run's evaluation, so the run went unexported and the reports
+  # were rebuilt without it. Ten failures in a row do.
   if ! status=$(dvc queue status 2>/dev/null); then
     status_failures=$((status_failures + 1))
     if [ "$status_failures" -ge 10 ]; then echo "dvc queue status failed 10 times in a row: not waiting for the queue" >&2; break; fi
