@@ -64,8 +64,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
 sweep: $(STAMP)
-	$(BIN)/dvc exp run --queue -S 'train.accumulate_every=1,2,4,8' -S 'seed=0,1,2'
-	JOBS=$${JOBS:-1} bash docs/study/wait_queue.sh
+	JOBS=$${JOBS:-1} bash docs/study/wait_queue.sh -S 'train.accumulate_every=1,2,4,8' -S 'seed=0,1,2'
 	$(BIN)/voxdiff compare --out reports/sweep.md
 
 study: $(STAMP)

@@ -19,3 +19,23 @@ queue_status() {
     sleep "${QUEUE_STATUS_RETRY_S:-3}"
   done
 }
+
+# workers_in STATUS: how many workers, active or idle, a `dvc queue status` text shows.
+workers_in() {
+  sed -nE 's/^Worker status: ([0-9]+) active, ([0-9]+) idle.*/\1 \2/p' <<<"$1" | awk '{n = $1 + $2} END {print n + 0}'
+}
+
+# queue_stalled STATUS: true on the second poll in a row (counted in queue_idle_polls) that shows no worker and nothing
+# running while tasks wait. A worker can stop after one task (a stale shutdown message in the queue's broker), which
+# leaves the rest queued for ever; one just started may not show yet, so one such poll is not enough (starting
+# another then would run two trainings at once).
+queue_idle_polls=0
+queue_stalled() {
+  if grep -q Queued <<<"$1" && ! grep -q Running <<<"$1" && [ "$(workers_in "$1")" -eq 0 ]; then
+    queue_idle_polls=$((queue_idle_polls + 1))
+  else
+    queue_idle_polls=0
+  fi
+  [ "$queue_idle_polls" -ge 2 ] || return 1
+  queue_idle_polls=0
+}
