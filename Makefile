@@ -5,8 +5,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(CURDIR)/$(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# pip on some machines prints one warning per unreachable local index: keep the output readable.
-QUIET_PIP := grep -v -e 'is ignored: it is neither a file nor a directory' || true
+# pip on some machines prints one warning per unreachable local index: keep the output readable. The braces keep
+# `|| true` to grep (which fails when it filters every line): under pipefail a failing pip still fails the recipe.
+QUIET_PIP := { grep -v -e 'is ignored: it is neither a file nor a directory' || true; }
 export PATH := $(BIN):$(PATH)
 # What the demo tells you to try next, as it prints it: full paths, so they run without activating .venv
 # (stages re-run themselves with .venv's python: stages/_entry.py). tests/test_e2e_dvc.py runs TRY_EXP.
@@ -40,8 +41,10 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/python -c "import torch, monai, mlflow, dvc, nibabel, nilearn, voxdiff"
 	touch $(STAMP)
 
+# A copy without git history (a tarball) gets a first commit; one whose commit failed before (no git identity) gets
+# it on the next try, so the demo's baseline commit never holds only dvc.lock.
 demo: $(STAMP)
-	@test -d .git || (git init -q && git add -A && git commit -qm "voxdiff: initial" )
+	@{ test -e .git && git rev-parse -q --verify HEAD >/dev/null 2>&1; } || (git init -q && git add -A && git commit -qm "voxdiff: initial")
 	@start=$$(date +%s); $(BIN)/dvc repro; echo "pipeline: $$(( $$(date +%s) - start )) s"
 	@echo; echo "== metrics (every field: metrics/train_detail.json, metrics/eval_detail.json) =="; $(BIN)/voxdiff metrics
 	@echo; echo "Open MLflow:  $(MLFLOW_UI)   (then http://127.0.0.1:5000, experiment voxdiff:"
@@ -86,5 +89,6 @@ docs: $(STAMP)
 	$(BIN)/python -m voxdiff.paramsdoc --out docs/params.md
 
 lock:
+	@test -x $(BIN)/python || { echo "make lock: no .venv to freeze yet (make $(STAMP) first)" >&2; exit 1; }
 	$(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu/torch==\1/' > requirements.lock.new
 	mv requirements.lock.new requirements.lock
