@@ -30,13 +30,18 @@ else
   MAIN_LIMIT=${MAIN_LIMIT:-270} COMPILE_LIMIT=${COMPILE_LIMIT:-180}
 fi
 mkdir -p "$(dirname "$OUT")"
-rm -f "$OUT"
+# The phases write into a fresh file beside $OUT, which replaces it only once a phase has written there: a run that
+# measures nothing (no CUDA on this machine) leaves the last results in place.
+NEW="$OUT.partial"
+rm -f "$NEW"
 start=$(date +%s)
-timeout "$MAIN_LIMIT" "$PY" benchmarks/gpu_bench.py "${ARGS[@]}" --out "$OUT" --budget-s $(( MAIN_LIMIT - 10 )) \
+timeout "$MAIN_LIMIT" "$PY" benchmarks/gpu_bench.py "${ARGS[@]}" --out "$NEW" --budget-s $(( MAIN_LIMIT - 10 )) \
   --phases eager,memory,exactness,probe,phema,curve "$@" \
   || echo "gpu.sh: the main run stopped (exit $?): the table shows what finished" >&2
-timeout "$COMPILE_LIMIT" "$PY" benchmarks/gpu_bench.py "${ARGS[@]}" --out "$OUT" --phases compiled "$@" \
+timeout "$COMPILE_LIMIT" "$PY" benchmarks/gpu_bench.py "${ARGS[@]}" --out "$NEW" --phases compiled "$@" \
   || echo "gpu.sh: the compiled run stopped (exit $?; a compile longer than COMPILE_LIMIT=$COMPILE_LIMIT s?)" >&2
 echo
+[ -s "$NEW" ] || { echo "gpu.sh: nothing measured; $OUT left as it was" >&2; exit 1; }
+mv "$NEW" "$OUT"
 "$PY" benchmarks/gpu_bench.py --table --out "$OUT" || exit 1
 echo "(gpu.sh: $(( $(date +%s) - start )) s; results: $OUT)"
