@@ -3,6 +3,7 @@
     python docs/study/grid.py missing [ARM..]  # one line of `-S key=value` overrides per missing run (of these arms)
     python docs/study/grid.py status           # how many runs of each arm are archived
     python docs/study/grid.py ids steps        # run ids of a design, as a filter term for voxdiff compare
+                                               # (exit 3: none archived yet; 2: no such arm)
 
 Every run is params.yaml (the demo configuration) with COMMON and the run's own overrides. A run is
 archived when a run with exactly these params is in docs/study/runs/, so `make study` continues where
@@ -204,16 +205,20 @@ def missing(only: list[str] | None = None) -> list[tuple[str, dict]]:
 
 def main(argv: list[str]) -> int:
     cmd = argv[1] if len(argv) > 1 else "status"
+    known = dict.fromkeys(a for a, _ in arms())
+    unknown = [a for a in argv[2:] if a not in known] if cmd in ("ids", "missing") else []
+    if unknown:
+        print(f"grid.py: unknown arm {unknown[0]!r} (arms: {', '.join(known)})", file=sys.stderr)
+        return 2
+    if cmd == "ids" and len(argv) != 3:
+        print("grid.py: usage: grid.py ids ARM", file=sys.stderr)
+        return 2
     if cmd == "ids":
+        # 3, not 1, when none is archived yet: report.sh tells "nothing yet" from a crash (Python exits 1)
         ids = archived_ids(design(argv[2]))
         print("attributes.run_id IN (" + ", ".join(f"'{i}'" for i in ids) + ")")
-        return 0 if ids else 1
+        return 0 if ids else 3
     if cmd == "missing":
-        known = dict.fromkeys(a for a, _ in arms())
-        unknown = [a for a in argv[2:] if a not in known]
-        if unknown:
-            print(f"grid.py: unknown arm {unknown[0]!r} (arms: {', '.join(known)})", file=sys.stderr)
-            return 2
         for _, o in missing(argv[2:]):
             print(" ".join(f"-S {k}={v}" for k, v in {**COMMON, **o}.items()))
         return 0
