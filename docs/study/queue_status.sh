@@ -1,4 +1,6 @@
-# Sourced by wait_queue.sh (make sweep) and run.sh (make study): `dvc queue status` that survives one bad answer.
+# Sourced by wait_queue.sh (make sweep) and run.sh (make study): waiting on the DVC experiment queue.
+#
+# `dvc queue status` that survives one bad answer.
 # It can fail once and answer the next time ("unexpected error - Expecting value": a JSON read inside DVC, most
 # likely of a task's info file while it is written; treeverse/dvc#8014 shows the same kind). A wait loop that took
 # that failure for "nothing queued" once ended during a run's evaluation, so the run went unexported.
@@ -38,4 +40,16 @@ queue_stalled() {
   fi
   [ "$queue_idle_polls" -ge 2 ] || return 1
   queue_idle_polls=0
+}
+
+# queued_names OUTPUT: the tasks a `dvc exp run --queue` output names, one a line ("Queued experiment 'NAME' for
+# future execution.": NAME is the task's name, or its id when it has none).
+queued_names() {
+  sed -nE "s/^Queued experiment '(.+)' for future execution\.$/\1/p" <<<"$1"
+}
+
+# tasks_of STATUS NAMES: the lines of a `dvc queue status` text that are these tasks (column 1 the id, 2 the name).
+tasks_of() {
+  awk -v names="$2" 'BEGIN {n = split(names, a, "\n"); for (i = 1; i <= n; i++) want[a[i]] = 1}
+                     ($1 in want) || ($2 in want)' <<<"$1"
 }

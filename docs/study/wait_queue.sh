@@ -8,17 +8,12 @@ set -euo pipefail
 source "$(dirname "$0")/queue_status.sh"
 queued=$(dvc exp run --queue "$@")
 echo "$queued"
-# "Queued experiment 'NAME' for future execution.": NAME is the task's name, or its id when it has none.
-names=$(sed -nE "s/^Queued experiment '(.+)' for future execution\.$/\1/p" <<<"$queued")
+names=$(queued_names "$queued")
 [ -n "$names" ] || { echo "wait_queue.sh: dvc exp run --queue queued nothing" >&2; exit 1; }
-ours() {  # the lines of a status ($1) that are this grid's tasks (column 1 the id, 2 the name)
-  awk -v names="$names" 'BEGIN {n = split(names, a, "\n"); for (i = 1; i <= n; i++) want[a[i]] = 1}
-                         ($1 in want) || ($2 in want)' <<<"$1"
-}
 dvc queue start -j "${JOBS:-1}"
 while :; do
   status=$(queue_status) || exit 1
-  mine=$(ours "$status")
+  mine=$(tasks_of "$status" "$names")
   if [ "$(grep -c . <<<"$mine")" -lt "$(grep -c . <<<"$names")" ]; then
     echo "wait_queue.sh: dvc queue status does not list every task just queued (${names//$'\n'/ })" >&2
     exit 1
