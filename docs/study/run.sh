@@ -3,8 +3,9 @@
 # through the DVC experiment queue, each finished run exported to docs/study/runs/<run id>.json, then
 # the reports rebuilt from that archive alone. Resumable: runs already archived are skipped, so the
 # study accumulates across sessions (commit docs/study/runs after each). STUDY_MAX_RUNS=N queues at
-# most N of the missing runs; STUDY_ARMS="precision eps-pilot" only those arms' (grid.py status names the
-# arms). STUDY_CPUS=0 pins the queue's trainings to core 0 with one thread (so that other work on the
+# most N of the missing runs, STUDY_SKIP=N after passing over the first N (to run a pair's cheaper run first when
+# the other would not finish within a session); STUDY_ARMS="precision eps-pilot" only those arms' (grid.py status
+# names the arms). STUDY_CPUS=0 pins the queue's trainings to core 0 with one thread (so that other work on the
 # other core leaves their wall time alone); STUDY_CPUS="0 1" starts one worker per group, each pinned to
 # its own core with one thread: two runs side by side, about twice the throughput of one run on both
 # cores (batch-1 runs at 32^3: 3.7-3.9 samples/s on one pinned core, 4.3 with two threads). About
@@ -14,24 +15,36 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PATH="$PWD/.venv/bin:$PATH"
 EXP=$(python -c "import sys; sys.path.insert(0, 'docs/study'); import grid; print(grid.EXPERIMENT)")
-export_runs() {
+# shellcheck source=docs/study/queue_status.sh
+source docs/study/queue_status.sh
+export QUEUE_STATUS_RETRY_S=${QUEUE_STATUS_RETRY_S:-30}  # ten failing answers in a row, 5 minutes, end the wait
+export_runs() {  # while waiting: a failed export is tried again at the next run's end and at the last one below
   voxdiff export --experiment "$EXP" --out docs/study/runs >/dev/null 2>&1 || true
 }
 
 git diff --quiet HEAD -- src stages dvc.yaml params.yaml || { echo "commit your changes first: queued runs use committed files" >&2; exit 1; }
 dvc repro preprocess
-# shellcheck disable=SC2086  # STUDY_ARMS holds several arm names
-python docs/study/grid.py missing ${STUDY_ARMS:-} > .study-queue.all
-head -n "${STUDY_MAX_RUNS:-1000}" .study-queue.all > .study-queue; rm -f .study-queue.all
-echo "queueing $(wc -l < .study-queue) run(s); archived so far:"; python docs/study/grid.py status
-while read -r overrides; do
-  # shellcheck disable=SC2086  # the line holds several -S key=value words
-  dvc exp run --queue $overrides >/dev/null
-done < .study-queue
-rm -f .study-queue
-workers_in() {  # how many workers, active or idle, a `dvc queue status` text ($1) shows
-  sed -nE 's/^Worker status: ([0-9]+) active, ([0-9]+) idle.*/\1 \2/p' <<<"$1" | awk '{n = $1 + $2} END {print n + 0}'
-}
+# A queue that still has runs (an earlier `make study` stopped while its detached workers go on training) is waited
+# for and exported, not queued again: the same settings queued twice would train twice, side by side.
+status=$(queue_status)
+if grep -qE 'Queued|Running' <<<"$status"; then
+  echo "the DVC queue still has runs queued or training: waiting for them, queueing nothing new"
+  names=$(awk '$NF == "Queued" || $NF == "Running" {print $1}' <<<"$status")
+else
+  # shellcheck disable=SC2086  # STUDY_ARMS holds several arm names
+  python docs/study/grid.py missing ${STUDY_ARMS:-} > .study-queue.all
+  awk -v skip="${STUDY_SKIP:-0}" -v max="${STUDY_MAX_RUNS:-1000}" 'NR > skip && NR <= skip + max' .study-queue.all \
+    > .study-queue
+  rm -f .study-queue.all
+  echo "queueing $(wc -l < .study-queue) run(s); archived so far:"; python docs/study/grid.py status
+  names=""
+  while read -r overrides; do
+    # shellcheck disable=SC2086  # the line holds several -S key=value words
+    queued=$(dvc exp run --queue $overrides)
+    names+=$(queued_names "$queued")$'\n'
+  done < .study-queue
+  rm -f .study-queue
+fi
 start_workers() {
   if [ -z "${STUDY_CPUS:-}" ]; then
     dvc queue start -j 1
@@ -53,35 +66,21 @@ start_workers() {
   done
 }
 start_workers
-# Export each run as soon as it finishes (when the queue's count of finished runs goes up), so an
-# interrupted study keeps every run that completed.
+# Export each run as soon as it finishes (when the count of its finished runs goes up), so an interrupted study
+# keeps every run that completed.
 done_before=0
-idle_polls=0
-status_failures=0
 while sleep 30; do
-  # `dvc queue status` can fail once and answer the next time ("unexpected error - Expecting value": a JSON read
-  # inside DVC, most likely of a task's info file while it is written; treeverse/dvc#8014 shows the same kind). That
-  # must not end the wait: it once ended it during a run's evaluation, so the run went unexported and the reports
-  # were rebuilt without it. Ten failures in a row do.
-  if ! status=$(dvc queue status 2>/dev/null); then
-    status_failures=$((status_failures + 1))
-    if [ "$status_failures" -ge 10 ]; then echo "dvc queue status failed 10 times in a row: not waiting for the queue" >&2; break; fi
-    continue
-  fi
-  status_failures=0
-  grep -qE 'Queued|Running' <<<"$status" || break
-  done_now=$(grep -cE 'Success|Failed' <<<"$status" || true)
+  status=$(queue_status) || { export_runs; exit 1; }
+  mine=$(tasks_of "$status" "$names")
+  grep -qE 'Queued|Running' <<<"$mine" || break
+  done_now=$(grep -cE 'Success|Failed' <<<"$mine" || true)
   if [ "$done_now" != "$done_before" ]; then export_runs; done_before=$done_now; fi
-  # A worker can stop after one task (a stale shutdown message in the queue's broker): start the workers again,
-  # but only once no worker has shown for two polls in a row (a worker just started may not show yet: restarting
-  # then would put a second worker, and its training, on the first one's core).
-  if ! grep -q Running <<<"$status" && [ "$(workers_in "$status")" -eq 0 ]; then
-    idle_polls=$((idle_polls + 1))
-  else
-    idle_polls=0
-  fi
-  if [ "$idle_polls" -ge 2 ]; then start_workers; idle_polls=0; fi
+  if queue_stalled "$status"; then start_workers; fi
 done
-export_runs
+voxdiff export --experiment "$EXP" --out docs/study/runs >/dev/null
 python docs/study/grid.py status
 bash docs/study/report.sh
+if grep -q Failed <<<"$mine"; then
+  echo "runs failed (dvc queue logs <name>): $(awk '$NF == "Failed" {print $2}' <<<"$mine" | tr '\n' ' ')" >&2
+  exit 1
+fi
