@@ -49,16 +49,17 @@ def minimum_detectable_difference(sd: float, n: int, alpha: float = 0.05, power:
 
 def _t_test_mde(se: float, df: float, alpha: float, power: float) -> float:
     """The true difference a two-sided t test with this standard error and df rejects with the given power
-    (noncentral t, ncp = difference / se), growing the bracket from `se`. scipy's noncentral t returns NaN far
-    out at few degrees of freedom (df ~ 1 with two runs a side): there the textbook approximation
-    (t_{1-a/2} + t_{power}) x se stands in."""
+    (noncentral t, ncp = difference / se), growing the bracket from `se`. The far tail P(T < -crit) is read as
+    P(T' > crit) with T' = -T, noncentral t with ncp -d/se: the same number, but scipy's nct.cdf returns NaN
+    for it at ncp above ~7.5 (scipy 1.17), where MDEs of few runs lie, and its sf does not. Should the noncentral
+    t still fail, the textbook approximation (t_{1-a/2} + t_{power}) x se stands in."""
     from scipy.optimize import brentq
     from scipy.stats import nct, t
 
     crit = t.ppf(1 - alpha / 2, df)
 
     def shortfall(d: float) -> float:
-        return nct.sf(crit, df, d / se) + nct.cdf(-crit, df, d / se) - power
+        return nct.sf(crit, df, d / se) + nct.sf(crit, df, -d / se) - power
 
     hi = se
     for _ in range(40):
