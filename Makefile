@@ -67,8 +67,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 
 sweep: $(STAMP)
-	JOBS=$${JOBS:-1} bash docs/study/wait_queue.sh -S 'train.accumulate_every=1,2,4,8' -S 'seed=0,1,2'
-	$(BIN)/voxdiff compare --out reports/sweep.md
+	@mkdir -p reports
+	JOBS=$${JOBS:-1} EXPS_FILE=reports/sweep.exps bash docs/study/wait_queue.sh \
+	  -S 'train.accumulate_every=1,2,4,8' -S 'seed=0,1,2'
+	$(BIN)/voxdiff compare --out reports/sweep.md $$(sed 's/^/--dvc-exp /' reports/sweep.exps)
 
 study: $(STAMP)
 	bash docs/study/run.sh

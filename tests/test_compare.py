@@ -217,6 +217,34 @@ def test_cli_uses_params_experiment_and_env_tracking_uri(store, tmp_path, monkey
     assert (tmp_path / "rep" / "compare.md").is_file() and not (tmp_path / "mlflow.db").exists()
 
 
+def test_dvc_exp_keeps_only_those_experiments_runs_from_mlflow_and_the_archive(store, tmp_path):
+    """make sweep's report: --dvc-exp keeps the grid's runs (by tag voxdiff.dvc_exp_name) and leaves out the
+    experiment's other runs; the same selection from the archive; a name with no finished run is one line."""
+    from voxdiff.report.loading import open_client, write_archive
+
+    uri, _, ids = store
+    grid = [f"exp-k{k}-s{s}" for k in (1, 2) for s in (0, 1)]
+    args = ["--experiment", "clear", "--tracking-uri", uri, "--no-log", "--out", str(tmp_path / "s.md")]
+    res = CliRunner().invoke(compare_command, args + [a for name in grid for a in ("--dvc-exp", name)])
+    assert res.exit_code == 0, res.output
+    report = (tmp_path / "s.md").read_text()
+    assert "4 finished training run(s) in 2 group(s)" in report and "DVC experiments exp-k1-s0" in report
+    runs = {key: rid for key, rid in ids.items() if isinstance(key, tuple) and key[0] == "clear"}
+    kept = {rid for (_, k, s), rid in runs.items() if k in (1, 2) and s < 2}
+    assert {r for r in kept if r in report} == kept
+    left_out = [rid for (_, k, s), rid in runs.items() if k > 2 or s == 2]
+    assert not any(r in report for r in left_out)
+    # Negative control: without it, the same experiment gives every group.
+    assert "in 4 group(s)" in compare_runs(uri, "clear", tmp_path / "all.md", log=False).report_path.read_text()
+    write_archive(open_client(uri), "clear", None, uri, tmp_path / "runs")
+    from_archive = compare_runs(None, None, tmp_path / "a.md", runs_dir=tmp_path / "runs", dvc_exps=tuple(grid))
+    assert sorted(r for g in from_archive.groups for r in g.run_ids) == sorted(kept)
+    res = CliRunner().invoke(compare_command, args + ["--dvc-exp", "exp-k1-s0", "--dvc-exp", "nosuch-name"])
+    # A VoxdiffError: the voxdiff command prints it as one line (test_bad_input.py), exit 1.
+    assert isinstance(res.exception, VoxdiffError) and "nosuch-name" in str(res.exception)
+    assert "exp-k1-s0" not in str(res.exception)
+
+
 def test_resolve_tracking_uri_rule(tmp_path, monkeypatch):
     p = params_mod.load(Path(__file__).parents[1] / "params.yaml")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -106,3 +106,11 @@ def test_a_task_the_queue_does_not_list_stops_the_wait(tmp_path):
     result, _ = wait_with(tmp_path, [lost])
     assert result.returncode == 1
     assert "does not list every task just queued (dotal-sins piney-cham)" in result.stderr
+
+
+def test_the_grids_experiment_names_are_written_for_compare(tmp_path):
+    """EXPS_FILE gets this grid's names only (not the old task's), which make sweep passes to compare --dvc-exp."""
+    names = tmp_path / "sweep.exps"
+    result, _ = wait_with(tmp_path, [RUNNING, DONE], EXPS_FILE=str(names))
+    assert result.returncode == 0, result.stderr
+    assert names.read_text().split() == ["dotal-sins", "piney-cham"]

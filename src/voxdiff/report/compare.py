@@ -76,19 +76,25 @@ def log_report(client, experiment_id: str, group_by: str, filter_string: str | N
 def compare_runs(tracking_uri: str | None, experiment: str | None, out_path: str | os.PathLike,
                  group_by: str = "train.accumulate_every", filter_string: str | None = None,
                  target_val_loss: float | None = None, log: bool = True,
-                 runs_dir: str | os.PathLike | None = None, root: Path | None = None, smooth: int = 1) -> CompareResult:
+                 runs_dir: str | os.PathLike | None = None, root: Path | None = None, smooth: int = 1,
+                 dvc_exps: tuple[str, ...] = ()) -> CompareResult:
     """Write the comparison report (Markdown + PNGs next to it) from an MLflow store, or from an archive
-    folder of exported runs (runs_dir: no store needed, nothing logged); log it to MLflow unless log=False."""
+    folder of exported runs (runs_dir: no store needed, nothing logged); log it to MLflow unless log=False.
+    dvc_exps: only the runs DVC trained as these experiments (make sweep's grid), when given."""
     out_path = Path(out_path)
     if runs_dir is not None:
         runs, experiment = read_archive(Path(runs_dir), parse_param_filter(filter_string))
+        runs = only_dvc_experiments(runs, dvc_exps, lambda r: r.tags)
         unfinished_note, client, exp = None, None, None
         source = f"the run archive `{project_relative(runs_dir, root) or Path(runs_dir).name}` (`voxdiff export`)"
     else:
         client = open_client(tracking_uri)
         exp, found, unfinished_note = find_training_runs(client, experiment, filter_string, tracking_uri)
+        found = only_dvc_experiments(found, dvc_exps, lambda r: r.data.tags)
         runs = sorted((load_run(client, r) for r in found), key=lambda r: (r.start_time, r.run_id))
         source = f"MLflow store `{display_uri(tracking_uri, root)}`"
+    if dvc_exps:
+        source += f", DVC experiments {', '.join(sorted(set(dvc_exps)))}"
     runs, reruns = drop_reruns(runs)  # the same configuration trained again is not another seed
     by_key = group_runs(runs, group_by)
     target = target_val_loss if target_val_loss is not None else default_target(runs)
@@ -112,6 +118,19 @@ def compare_runs(tracking_uri: str | None, experiment: str | None, out_path: str
     served = url is not None and not tracking_uri.startswith(("http://", "https://"))
     return CompareResult(out_path, figures, group_by, groups, target, b_noise, k_star, messages, run_id, url,
                          f"{mlflow_command()} ui --backend-store-uri {tracking_uri}" if served else None)
+
+
+def only_dvc_experiments(runs: list, names: tuple[str, ...], tags_of) -> list:
+    """The runs whose DVC experiment (tag voxdiff.dvc_exp_name, set by training from DVC_EXP_NAME) is one of
+    `names`; all of them when no name is given. MLflow's filter has no IN for tags, hence the filter here.
+    A name no finished run carries is an error: the report would silently lack that experiment."""
+    if not names:
+        return runs
+    kept = [r for r in runs if tags_of(r).get("voxdiff.dvc_exp_name") in names]
+    missing = sorted(set(names) - {tags_of(r).get("voxdiff.dvc_exp_name") for r in kept})
+    if missing:
+        raise VoxdiffError(f"--dvc-exp: no finished training run of DVC experiment(s) {', '.join(missing)}")
+    return kept
 
 
 def mlflow_command() -> str:
@@ -183,17 +202,20 @@ def parse_param_filter(filter_string: str | None) -> dict[str, str | frozenset]:
 @click.option("--runs", "runs_dir", default=None, type=click.Path(file_okay=False),
               help="Read the runs from an archive folder written by `voxdiff export` instead of MLflow "
                    "(no store needed; nothing is logged).")
+@click.option("--dvc-exp", "dvc_exps", multiple=True, metavar="NAME",
+              help="Only the runs of this DVC experiment (repeatable; `dvc exp show` names them). "
+                   "make sweep passes its grid's, so other runs of the experiment stay out.")
 def compare_command(experiment, tracking_uri, group_by, filter_string, target_val_loss, out_path, no_log, smoothing,
-                    runs_dir):
+                    runs_dir, dvc_exps):
     """Compare training runs grouped by a param: convergence curves, noise scale, a reading."""
     if runs_dir is not None:
         result = compare_runs(None, None, out_path, group_by, filter_string, target_val_loss, log=False,
-                              runs_dir=runs_dir, smooth=smoothing)
+                              runs_dir=runs_dir, smooth=smoothing, dvc_exps=dvc_exps)
         _echo_result(result)
         return
     experiment, tracking_uri = _store_defaults(experiment, tracking_uri)
     result = compare_runs(tracking_uri, experiment, out_path, group_by, filter_string, target_val_loss,
-                          log=not no_log, smooth=smoothing)
+                          log=not no_log, smooth=smoothing, dvc_exps=dvc_exps)
     _echo_result(result)
 
 
