@@ -11,7 +11,6 @@ generation), the metrics' CUDA path; benchmarks/gpu.sh measures those on a GPU.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import types

@@ -418,7 +418,7 @@ def summary(a) -> str:
     """The terminal's lines, at most 8 (tests/test_advise.py counts them): the recommendation, what the current
     setting costs against it, B_crit as the branches measured it, the noise scale, the report. The reasoning
     (which estimate the table uses and why, the notes) is in the report."""
-    rec, cur, b, m = a.recommended, a.current, a.branch, a.noise.marginal
+    rec, b, m = a.recommended, a.branch, a.noise.marginal
     lines = [f"recommended: micro-batch {rec.setting.micro}, accumulate_every {rec.setting.accumulate}, "
              f"world size {rec.setting.world}" if rec is not None else "recommended: none (nothing ran)"]
     lines += _current_lines(a)
