@@ -152,3 +152,19 @@ def test_the_data_size_arms_share_validation_and_pair_by_seed(grid, monkeypatch)
     assert all((o["data.train_subjects"], o["seed"]) in pairs for o in runs if o["train.accumulate_every"] > 1)
     assert {o["diffusion.prediction"] for o in runs} == {"epsilon"} and {o["train.grad_clip"] for o in runs} == {0.0}
     assert {o["train.max_samples"] for o in runs} == {grid.DS_CAP}  # one cap, in samples, for every k
+
+
+def test_the_largest_ns_pairs_grow_as_the_sample_size_rule_asks(grid, monkeypatch):
+    """With five N = 160 pairs whose sd(r) leaves the MDE above 5 %, the grid lists seed 5's k 1 and k 2 (and only
+    those: k 4 and the other N keep their seeds); with a tight spread it stays at five."""
+    def design_with(ratios):
+        levels = ({s: 0.05 * r for s, r in enumerate(ratios)}, {s: 0.05 for s in range(len(ratios))})
+        monkeypatch.setattr(grid, "ds_archived_levels", lambda: levels)
+        return [(o["data.train_subjects"], o["train.accumulate_every"], o["seed"])
+                for a, o in grid.arms() if a.startswith("data-size")]
+
+    wide = design_with([1.0, 1.04, 0.96, 1.05, 0.95])
+    assert (160, 1, 5) in wide and (160, 2, 5) in wide and len(wide) == 27
+    assert (160, 4, 5) not in wide and (40, 1, 5) not in wide
+    assert len(design_with([1.0, 1.015, 0.985, 1.0, 1.02])) == 25
+    assert len(design_with([])) == 25  # nothing archived: the design as registered

@@ -13,6 +13,7 @@ every setting first, so a partial study already spans the grid).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -72,8 +73,32 @@ DS_LR_SAMPLES = 8192
 # The pilot (report_ds_lr.md, 8192 samples): final val loss 0.0547 at 5e-4, 0.0545 at 1e-3 (within 1 %: the
 # registered tie rule takes the smaller lr), 0.0591 at 2e-3. Every data-size run uses it, at every k (no LR scaling).
 DS_LR = 5.0e-4
-# (N_train, k, seeds): 5 seeds at the largest N for a paired k 1 / k 2 comparison that can detect ~5 %.
+# (N_train, k, seeds): 5 seeds at the largest N for a paired k 1 / k 2 comparison that can detect ~5 %; more (seeds
+# 5, 6, 7) as the registered rule asks once those five pairs are archived (ds_seeds).
 DS_DESIGN = ((160, (1, 2), (0, 1, 2, 3, 4)), (160, (4,), (0, 1, 2)), (40, (1, 2), (0, 1, 2)), (10, (1, 2), (0, 1, 2)))
+
+
+@functools.cache
+def ds_archived_levels() -> tuple[dict[int, float], dict[int, float]]:
+    """The own-best levels (seed -> level) of the archived N = 160 data-size runs at k 2 and at k 1."""
+    from voxdiff.report.data_size import PAIRS_RULE_K, PAIRS_RULE_N, by_size, is_data_size_run, levels_by_seed
+    from voxdiff.report.loading import read_archive
+
+    if not any(RUNS.glob("*.json")):
+        return {}, {}
+    runs, _ = read_archive(RUNS)
+    by_k = by_size([r for r in runs if is_data_size_run(r)]).get(PAIRS_RULE_N, {})
+    return tuple(levels_by_seed(by_k.get(k, {})) for k in (PAIRS_RULE_K, 1))
+
+
+def ds_seeds(n: int, ks: tuple[int, ...], seeds: tuple[int, ...]) -> tuple[int, ...]:
+    """A DS_DESIGN row's seeds; for the rule's k 1 / k 2 pairs at its N, the design's first ones and then as many as
+    the registered sample-size rule asks for from the pairs archived so far (data_size.pairs_wanted: sd(r) only)."""
+    from voxdiff.report.data_size import PAIRS_RULE_K, PAIRS_RULE_N, pairs_wanted
+
+    if n != PAIRS_RULE_N or set(ks) != {1, PAIRS_RULE_K}:
+        return seeds
+    return tuple(range(max(len(seeds), pairs_wanted(*ds_archived_levels()))))
 
 
 def arms() -> list[tuple[str, dict]]:
@@ -141,7 +166,7 @@ def arms() -> list[tuple[str, dict]]:
                               "train.max_samples": DS_LR_SAMPLES, "train.early_stop_patience_samples": 0,
                               "train.lr": lr, "seed": 0}))
     for n, ks, seeds in DS_DESIGN if DS_LR is not None else ():
-        for seed in seeds:
+        for seed in ds_seeds(n, ks, seeds):
             for k in ks:
                 out.append((f"data-size-{n}", {**DS_REGIME, "data.train_subjects": n, "train.accumulate_every": k,
                                                "train.lr": DS_LR, "seed": seed}))

@@ -26,6 +26,41 @@ from voxdiff.report.groups import run_best
 TARGET_FACTORS = (1.20, 1.10, 1.05)
 SMOOTH = 3
 BOOTSTRAP = 2000
+# The registered sample-size rule (data-size-protocol.md, amended before any N = 160 run): the largest N's k 2 / k 1
+# comparison starts with PAIRS_FIRST pairs (seeds 0..4); while the MDE from their own sd(r) exceeds MDE_GOAL, one
+# more pair (the next seed) is added, up to PAIRS_MAX. It reads sd(r) only, never the ratio or its p value.
+MDE_GOAL, PAIRS_FIRST, PAIRS_MAX, PAIRS_RULE_N, PAIRS_RULE_K = 0.05, 5, 8, 160, 2
+
+
+def pairs_wanted(level_k: dict, level_1: dict) -> int:
+    """How many pairs (seeds 0..n-1, as ints) the rule asks for, given the own-best levels archived so far (seed ->
+    level, for k and for 1). Pairs are counted from seed 0 up to the first seed that lacks one of its two runs."""
+    n = 0
+    while n in level_k and n in level_1:
+        n += 1
+    if n < PAIRS_FIRST:
+        return PAIRS_FIRST
+    if n >= PAIRS_MAX:
+        return n
+    mde = paired_ratio({s: level_k[s] for s in range(n)}, {s: level_1[s] for s in range(n)}).mde
+    return n + 1 if mde is not None and mde > MDE_GOAL else n
+
+
+def sample_size_line(level, wanted: int) -> str:
+    """Where the registered rule stands: more pairs asked for, the goal met, or missed at the rule's most pairs."""
+    mde = f"MDE {100 * level.mde:.1f} % at {level.n} pairs"
+    if wanted > level.n:
+        return (f"  - Sample size (registered rule): {mde}, goal {100 * MDE_GOAL:.0f} %; the rule asks for "
+                f"{wanted} pairs, seeds 0-{wanted - 1} (`make study` queues what is missing).")
+    if level.mde <= MDE_GOAL:
+        return f"  - Sample size (registered rule): {mde}: the goal of {100 * MDE_GOAL:.0f} % is met."
+    return (f"  - Sample size (registered rule): {mde}: the goal of {100 * MDE_GOAL:.0f} % is missed at the rule's "
+            f"most pairs ({PAIRS_MAX}).")
+
+
+def levels_by_seed(seeds: dict[str, RunData]) -> dict[int, float]:
+    """seed (int) -> the run's own-best level (run_best), for the runs that have one."""
+    return {int(s): b.level for s, r in seeds.items() if s.isdigit() and (b := run_best(r)) is not None}
 
 
 def is_data_size_run(r: RunData) -> bool:
@@ -123,6 +158,8 @@ def report(runs: list[RunData]) -> tuple[list[str], dict[int, list[tuple[float, 
                          f"[{level.lo:.3f}, {level.hi:.3f}] ({verdict}); samples to it x{samples.ratio:.2f} "
                          f"[{samples.lo:.2f}, {samples.hi:.2f}], optimizer steps x{steps.ratio:.2f} "
                          f"[{steps.lo:.2f}, {steps.hi:.2f}].")
+            if n == PAIRS_RULE_N and k == PAIRS_RULE_K:
+                lines.append(sample_size_line(level, pairs_wanted(levels_by_seed(seeds), levels_by_seed(ref))))
     lines += ["", "## Critical batch against N", "",
               f"Steps to each target on the causal rolling mean of {SMOOTH} validations; 95 % bootstrap over seeds "
               "resampled as pairs; the range over reading the validations raw and with rolling means of 3 and 5. "
