@@ -279,6 +279,17 @@ def _mlflow_schema_built_once(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _outside_any_dvc_run():
+    """The suite runs as though no DVC stage started it: under DVC_ROOT (a `make test` from a DVC stage, or a shell
+    that exported it) the module fixtures that train or score would send their caches and MLflow runs to that
+    project (runtime/fsutil.project_root), not to their tmp roots. Per-test fixtures clear it too (tiny_root)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for var in ("DVC_ROOT", "DVC_EXP_NAME"):
+            patch.delenv(var, raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _one_thread_from_the_start():
     """One torch thread before any module fixture trains (those are set up before _quiet_threads runs)."""
     import torch
