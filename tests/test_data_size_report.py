@@ -126,3 +126,5 @@ def test_the_report_says_where_the_sample_size_rule_stands():
     missed = sample_size_line(PairedRatio(8, 1.01, 0.97, 1.05, 0.6, 0.062), 8)
     assert "MDE 6.2 % at 8 pairs" in missed and "missed at the rule's most pairs (8)" in missed
     assert "asks for 6 pairs, seeds 0-5" in sample_size_line(PairedRatio(5, 1.01, 0.95, 1.07, 0.6, 0.07), 6)
+    # five pairs, but seed 4's missing (seeds 0-3 and 5): the rule asks for seed 4, never "missed"
+    assert "asks for 5 pairs, seeds 0-4" in sample_size_line(PairedRatio(5, 1.01, 0.95, 1.07, 0.6, 0.07), 5)

@@ -49,7 +49,8 @@ def pairs_wanted(level_k: dict, level_1: dict) -> int:
 def sample_size_line(level, wanted: int) -> str:
     """Where the registered rule stands: more pairs asked for, the goal met, or missed at the rule's most pairs."""
     mde = f"MDE {100 * level.mde:.1f} % at {level.n} pairs"
-    if wanted > level.n:
+    # (a pair missing below the highest seed: the rule counts pairs from seed 0 up to it and asks for that seed)
+    if wanted > level.n or (level.mde > MDE_GOAL and level.n < PAIRS_MAX):
         return (f"  - Sample size (registered rule): {mde}, goal {100 * MDE_GOAL:.0f} %; the rule asks for "
                 f"{wanted} pairs, seeds 0-{wanted - 1} (`make study` queues what is missing).")
     if level.mde <= MDE_GOAL:
