@@ -131,11 +131,18 @@ def critical_batch_section(runs: list[RunData], b_noise: float | None = None, sm
               "validations in the last quarter of each run's steps; an upper bound where the run is still "
               "falling) and the last quarter's change and verdict (see the summary).", "",
               "| effective batch | runs | plateau value | last-quarter change | at plateau |", "|---|---|---|---|---|"]
+    levels = {b: [r.plateau_level for r in rs if r.plateau_level is not None] for b, rs in by_batch.items()}
     for b, rs in by_batch.items():
-        levels = [r.plateau_level for r in rs if r.plateau_level is not None]
         changes = [r.plateau_change for r in rs if r.plateau_change is not None]
-        lines.append(f"| {b:g} | {len(rs)} | {mean_std(levels, '.4g', '.2g')} | {percent_cell(changes)} | "
+        lines.append(f"| {b:g} | {len(rs)} | {mean_std(levels[b], '.4g', '.2g')} | {percent_cell(changes)} | "
                      f"{plateau_count([r.plateau_verdict for r in rs if r.plateau_change is not None])} |")
+    # Each plateau value against the smallest batch's, with what the seeds could detect: a "no difference" there
+    # is read with its minimum detectable difference.
+    (b_ref, ref_levels), *others = levels.items()
+    if ref_levels and any(v for _, v in others):
+        lines += ["", f"Plateau values against effective batch {b_ref:g}:",
+                  *_verdicts([(f"B = {b:g}", v) for b, v in others if v], f"B = {b_ref:g}", ref_levels,
+                             "plateau value")]
     return lines + ["", *measured_vs_predicted(by_batch, measured)]
 
 
