@@ -168,3 +168,31 @@ def test_the_largest_ns_pairs_grow_as_the_sample_size_rule_asks(grid, monkeypatc
     assert (160, 4, 5) not in wide and (40, 1, 5) not in wide
     assert len(design_with([1.0, 1.015, 0.985, 1.0, 1.02])) == 25
     assert len(design_with([])) == 25  # nothing archived: the design as registered
+
+
+def test_the_sample_size_rule_reads_the_archived_pairs_levels(grid, monkeypatch, tmp_path):
+    """ds_archived_levels on a real archive: the N = 40 pairs, relabelled N = 160, give each run's own-best level
+    (the data-size report's run_best) by seed and k; other runs stay out."""
+    from voxdiff.report.groups import run_best
+    from voxdiff.report.loading import record_to_run
+
+    n40 = [p for p in sorted(grid.RUNS.glob("*.json"))
+           if json.loads(p.read_text())["params"].get("data.train_subjects") == "40"]
+    assert len(n40) == 6
+    expected = {}
+    for p in n40:
+        record = json.loads(p.read_text())
+        record["params"]["data.train_subjects"] = "160"
+        (tmp_path / p.name).write_text(json.dumps(record))
+        k, seed = int(record["params"]["train.accumulate_every"]), int(record["params"]["seed"])
+        expected.setdefault(k, {})[seed] = run_best(record_to_run(record)).level
+    other = next(p for p in sorted(grid.RUNS.glob("*.json")) if p not in n40)
+    (tmp_path / other.name).write_text(other.read_text())
+    monkeypatch.setattr(grid, "RUNS", tmp_path)
+    grid.records.cache_clear(), grid.ds_archived_levels.cache_clear()
+    try:
+        assert grid.ds_archived_levels() == (expected[2], expected[1])
+        assert len(expected[1]) == len(expected[2]) == 3
+    finally:
+        monkeypatch.undo()
+        grid.records.cache_clear(), grid.ds_archived_levels.cache_clear()

@@ -79,14 +79,22 @@ DS_DESIGN = ((160, (1, 2), (0, 1, 2, 3, 4)), (160, (4,), (0, 1, 2)), (40, (1, 2)
 
 
 @functools.cache
-def ds_archived_levels() -> tuple[dict[int, float], dict[int, float]]:
-    """The own-best levels (seed -> level) of the archived N = 160 data-size runs at k 2 and at k 1."""
-    from voxdiff.report.data_size import PAIRS_RULE_K, PAIRS_RULE_N, by_size, is_data_size_run, levels_by_seed
-    from voxdiff.report.loading import read_archive
+def records() -> tuple[dict, ...]:
+    """The archive's runs (docs/study/runs/*.json), read once per process: each one's file, run id, status and params.
+    Their metric histories are dropped: a hundred runs' histories held at once double the read (garbage collection)."""
+    keep = ("run_id", "status", "params")
+    return tuple({"path": p, **{k: r.get(k) for k in keep}} for p in sorted(RUNS.glob("*.json"))
+                 for r in [json.loads(p.read_text())]) if RUNS.is_dir() else ()
 
-    if not any(RUNS.glob("*.json")):
-        return {}, {}
-    runs, _ = read_archive(RUNS)
+
+@functools.cache
+def ds_archived_levels() -> tuple[dict[int, float], dict[int, float]]:
+    """The own-best levels (seed -> level) of the archived, finished N = 160 data-size runs at k 2 and at k 1."""
+    from voxdiff.report.data_size import PAIRS_RULE_K, PAIRS_RULE_N, by_size, is_data_size_run, levels_by_seed
+    from voxdiff.report.loading import record_to_run
+
+    runs = [record_to_run(json.loads(r["path"].read_text())) for r in records()
+            if r["status"] == "FINISHED" and r["params"].get("data.train_subjects") == str(PAIRS_RULE_N)]
     by_k = by_size([r for r in runs if is_data_size_run(r)]).get(PAIRS_RULE_N, {})
     return tuple(levels_by_seed(by_k.get(k, {})) for k in (PAIRS_RULE_K, 1))
 
@@ -174,7 +182,7 @@ def arms() -> list[tuple[str, dict]]:
 
 
 def archived() -> list[dict]:
-    return [json.loads(p.read_text())["params"] for p in sorted(RUNS.glob("*.json"))] if RUNS.is_dir() else []
+    return [r["params"] for r in records()]
 
 
 # Keys an arm sets that only decide what is measured, never the trajectory: they tell no run of one arm from a
@@ -215,8 +223,7 @@ def design(arm: str) -> list[dict]:
 
 def archived_ids(overrides: list[dict]) -> list[str]:
     ids, base = [], defaults()
-    for path in sorted(RUNS.glob("*.json")) if RUNS.is_dir() else []:
-        record = json.loads(path.read_text())
+    for record in records():
         if record.get("status") == "FINISHED" and any(is_archived(o, [record["params"]], base) for o in overrides):
             ids.append(record["run_id"])
     return ids
